@@ -1,0 +1,1 @@
+"""Step checkpoints (torch.distributed.checkpoint) and the final adapter / merged exports."""

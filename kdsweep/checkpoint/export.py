@@ -1,0 +1,42 @@
+"""Final exports: the peft adapter and the merged HF model, in separate directories.
+
+They are kept apart on purpose: a directory holding both merged weights and ``adapter_config.json`` makes
+transformers apply the adapter a second time on load.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from torch import nn
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+
+
+def export(model: nn.Module, tokenizer, out: Path, *, adapter: bool, merged: bool) -> dict[str, str]:
+    """Write ``out/adapter`` (LoRA runs) and ``out/merged``; returns the paths written.
+
+    Merging folds the adapter into the base weights in place, so this must be the model's last use.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    written: dict[str, str] = {}
+    is_peft = hasattr(model, "peft_config")
+    if adapter and is_peft:
+        tmp = out / ".tmp-adapter"
+        model.save_pretrained(tmp)
+        _publish(tmp, out / "adapter")
+        written["adapter"] = str(out / "adapter")
+    if merged:
+        full = model.merge_and_unload() if is_peft else model
+        tmp = out / ".tmp-merged"
+        full.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        _publish(tmp, out / "merged")
+        written["merged"] = str(out / "merged")
+    return written

@@ -1,0 +1,105 @@
+"""Step checkpoints: everything a run needs to continue bit-identically, written atomically.
+
+Layout under ``<run>/checkpoints/``: ``step_00000020/`` holds a ``torch.distributed.checkpoint`` of the
+trainable parameters and the optimizer (sharded when the model is), plus ``state_rank<r>.pt`` with the
+scheduler, RNG states and counters of each rank. A checkpoint is written into ``.tmp-step_…`` and renamed
+when every rank has finished, so a directory named ``step_…`` is always complete; a kill mid-write leaves
+only a temp directory, which the next save or load ignores and removes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from kdsweep.distributed import DistEnv
+
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+# Frozen weights (the LoRA base) come from the model directory, not from checkpoints; loading is therefore
+# non-strict about them, while dcp.load itself fails on any trainable key the checkpoint lacks.
+_OPTIONS = StateDictOptions(ignore_frozen_params=True)
+_LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
+def latest(root: Path) -> Path | None:
+    """The newest complete checkpoint under ``root``, or None."""
+    if not root.is_dir():
+        return None
+    steps = sorted(p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name))
+    return steps[-1] if steps else None
+
+
+def step_of(path: Path) -> int:
+    return int(_STEP_DIR.match(path.name).group(1))
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save(
+    root: Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: dict[str, Any],
+    dist: DistEnv,
+    keep_last: int,
+) -> Path:
+    """Write checkpoint ``step`` (collective: every rank calls it) and prune to the last ``keep_last``."""
+    final = root / f"step_{step:08d}"
+    tmp = root / f".tmp-step_{step:08d}"
+    if dist.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+    torch.save({**state, "rng": rng_state()}, tmp / f"state_rank{dist.rank}.pt")
+    dist.barrier()
+    if dist.is_main:
+        if final.exists():  # a rerun reached the same step again: replace it whole
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _prune(root, keep_last)
+    dist.barrier()
+    return final
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    steps = sorted(p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name))
+    for old in steps[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in root.glob(".tmp-step_*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, dist: DistEnv) -> dict[str, Any]:
+    """Restore parameters, optimizer and RNG from ``path``; return the saved counters and scheduler state."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
+    target = {"model": model_sd, "optim": optim_sd}
+    dcp.load(target, checkpoint_id=path)
+    set_state_dict(
+        model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"], options=_LOAD_OPTIONS
+    )
+    state = torch.load(path / f"state_rank{dist.rank}.pt", weights_only=False)
+    set_rng_state(state.pop("rng"))
+    return state

@@ -1,0 +1,30 @@
+"""Typed run configuration: dataclasses, validation and the one-time conversion from a plain dict."""
+
+from kdsweep.config.convert import SWEEP_KNOBS, to_run_config
+from kdsweep.config.schema import (
+    CheckpointConfig,
+    ConfigError,
+    DataConfig,
+    LoggerConfig,
+    LossConfig,
+    OptimConfig,
+    RunConfig,
+    StudentConfig,
+    TeacherConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "SWEEP_KNOBS",
+    "CheckpointConfig",
+    "ConfigError",
+    "DataConfig",
+    "LoggerConfig",
+    "LossConfig",
+    "OptimConfig",
+    "RunConfig",
+    "StudentConfig",
+    "TeacherConfig",
+    "TrainConfig",
+    "to_run_config",
+]

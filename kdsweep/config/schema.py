@@ -1,0 +1,277 @@
+"""Typed, validated configuration of one kdsweep run.
+
+Pure Python: no torch, hydra or omegaconf here, so composing and validating many sweep points stays instant.
+Every dataclass is keyword-only and checks itself in ``__post_init__``; every error is a :class:`ConfigError`
+whose message names the field and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A user error in the configuration: one line naming the field and the fix."""
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+ZOO_NAMES = ("tiny-teacher", "tiny-student")
+DIVERGENCES = ("forward_kl",)
+SCHEDULES = ("cosine", "linear", "constant")
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("fp32", "bf16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSource:
+    """Where a model comes from: a local HF directory (``path``) or the embedded tiny zoo (``zoo``)."""
+
+    path: str | None = None
+    """Local Hugging Face model directory (config.json + weights + tokenizer). Wins over ``zoo``."""
+    zoo: str | None = None
+    """Name of an embedded tiny model built locally on first use: one of ZOO_NAMES."""
+
+    def _validate(self, section: str) -> None:
+        _check(
+            self.path is not None or self.zoo is not None,
+            f"{section}: neither {section}.path nor {section}.zoo is set; "
+            f"pass {section}.path=/dir/of/an/hf/model or {section}=tiny",
+        )
+        if self.path is None:
+            _check(
+                self.zoo in ZOO_NAMES,
+                f"{section}.zoo={self.zoo!r} is not an embedded model; use one of {', '.join(ZOO_NAMES)}",
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class StudentConfig(ModelSource):
+    """The student: the model being trained, with LoRA or fully."""
+
+    lora_rank: int = 8
+    """LoRA rank; 0 means full fine-tuning (all weights trained). Set from the top-level knob ``lora_rank``."""
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator (the update is scaled by alpha / rank)."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA input during training."""
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    """Module names (suffixes) that receive LoRA adapters."""
+
+    def __post_init__(self) -> None:
+        self._validate("model")
+        _check(
+            self.lora_rank >= 0,
+            f"model.lora_rank={self.lora_rank} is negative; use lora_rank=0 for full fine-tuning or a positive rank",
+        )
+        _check(self.lora_alpha > 0, f"model.lora_alpha={self.lora_alpha} must be > 0")
+        _check(0.0 <= self.lora_dropout < 1.0, f"model.lora_dropout={self.lora_dropout} must be in [0, 1)")
+        _check(
+            self.lora_rank == 0 or len(self.target_modules) > 0,
+            "model.target_modules is empty; list the modules that get LoRA (e.g. [q_proj,v_proj]) or set lora_rank=0",
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TeacherConfig(ModelSource):
+    """The teacher: frozen, in eval mode, never trained."""
+
+    def __post_init__(self) -> None:
+        self._validate("teacher")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Training and held-out text. ``.txt`` files hold one document per line; ``.jsonl`` files a ``text`` field."""
+
+    train_files: tuple[str, ...] = ()
+    """Training files; empty means the embedded corpus that ships with kdsweep."""
+    eval_files: tuple[str, ...] = ()
+    """Held-out files; empty means a seeded ``eval_fraction`` of the training documents is held out."""
+    eval_fraction: float = 0.05
+    """Fraction of documents held out for evaluation when no ``eval_files`` are given."""
+    split_seed: int = 1234
+    """Seed of the held-out split; separate from ``train.seed`` so that a seed sweep keeps one eval set."""
+    seq_len: int = 128
+    """Tokens per training sequence (documents are concatenated with EOS and cut into sequences)."""
+    batch_size: int = 16
+    """Sequences per optimizer step, over all ranks and micro-batches (the global batch)."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward on one rank; gradients accumulate over ``batch_size / micro_batch_size``."""
+    eval_batch_size: int = 16
+    """Sequences per forward during evaluation."""
+    max_eval_sequences: int = 0
+    """Evaluate on at most this many held-out sequences (0 = all of them)."""
+
+    def __post_init__(self) -> None:
+        _check(self.seq_len >= 2, f"data.seq_len={self.seq_len} must be >= 2")
+        _check(self.batch_size >= 1, f"data.batch_size={self.batch_size} must be >= 1")
+        _check(self.micro_batch_size >= 1, f"data.micro_batch_size={self.micro_batch_size} must be >= 1")
+        _check(
+            self.batch_size % self.micro_batch_size == 0,
+            f"data.batch_size={self.batch_size} is not a multiple of data.micro_batch_size={self.micro_batch_size}; "
+            "choose a micro_batch_size that divides the batch_size",
+        )
+        _check(self.eval_batch_size >= 1, f"data.eval_batch_size={self.eval_batch_size} must be >= 1")
+        _check(self.max_eval_sequences >= 0, f"data.max_eval_sequences={self.max_eval_sequences} must be >= 0")
+        _check(
+            0.0 <= self.eval_fraction < 1.0,
+            f"data.eval_fraction={self.eval_fraction} must be in [0, 1); it is the held-out share of documents",
+        )
+        _check(
+            bool(self.eval_files) or self.eval_fraction > 0,
+            "data has no eval split: set data.eval_files=[...] or data.eval_fraction to a value in (0, 1)",
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossConfig:
+    """``loss = (1-kd_ratio)·CE(student, labels) + kd_ratio·T²·KL(teacher_T ‖ student_T)``."""
+
+    kd_ratio: float = 0.5
+    """Weight of the distillation term; set from the top-level knob ``kd_ratio``."""
+    temperature: float = 1.0
+    """Softmax temperature T applied to both teacher and student logits in the KD term."""
+    divergence: str = "forward_kl"
+    """Divergence D(teacher ‖ student); see DIVERGENCES."""
+    num_chunks: int = 8
+    """Token chunks the loss is computed over (bounds the fp32 working set)."""
+    ignore_index: int = -100
+    """Label value excluded from every loss term and token count."""
+
+    def __post_init__(self) -> None:
+        _check(
+            0.0 <= self.kd_ratio <= 1.0,
+            f"loss.kd_ratio={self.kd_ratio} is outside [0, 1]; pass kd_ratio=<value in [0, 1]> "
+            "(0 = pure cross-entropy, 1 = pure distillation)",
+        )
+        _check(
+            self.temperature > 0,
+            f"loss.temperature={self.temperature} must be > 0; pass loss.temperature=1.0 (or another positive value)",
+        )
+        _check(
+            self.divergence in DIVERGENCES,
+            f"loss.divergence={self.divergence!r} is unknown; use one of {', '.join(DIVERGENCES)}",
+        )
+        _check(self.num_chunks >= 1, f"loss.num_chunks={self.num_chunks} must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """AdamW with linear warmup and a decaying schedule."""
+
+    lr: float = 3e-4
+    """Peak learning rate; set from the top-level knob ``lr``."""
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
+    warmup_steps: int = 0
+    """Linear warmup from 0 to ``lr`` over this many optimizer steps."""
+    schedule: str = "cosine"
+    """Decay after warmup: cosine, linear or constant."""
+    min_lr_ratio: float = 0.0
+    """The decay ends at ``lr * min_lr_ratio``."""
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, f"optim.lr={self.lr} must be > 0; pass lr=<positive value> such as lr=3e-4")
+        _check(self.weight_decay >= 0, f"optim.weight_decay={self.weight_decay} must be >= 0")
+        _check(
+            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+            f"optim.betas={list(self.betas)} must be two values in [0, 1)",
+        )
+        _check(self.eps > 0, f"optim.eps={self.eps} must be > 0")
+        _check(self.max_grad_norm >= 0, f"optim.max_grad_norm={self.max_grad_norm} must be >= 0 (0 disables)")
+        _check(self.warmup_steps >= 0, f"optim.warmup_steps={self.warmup_steps} must be >= 0")
+        _check(
+            self.schedule in SCHEDULES,
+            f"optim.schedule={self.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}",
+        )
+        _check(0 <= self.min_lr_ratio <= 1, f"optim.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """The loop: how long, how often to evaluate, where to run."""
+
+    max_steps: int = 60
+    """Optimizer steps to train."""
+    eval_every: int = 20
+    """Evaluate every this many steps (and always before the first and after the last step)."""
+    log_every: int = 1
+    """Write a metrics row every this many steps."""
+    seed: int = 0
+    """Seeds LoRA init, data order and dropout."""
+    device: str = "auto"
+    """auto (cuda when available, else cpu), cpu or cuda."""
+    dtype: str = "fp32"
+    """Parameter and compute dtype: fp32 or bf16 (fp16 has no loss scaling here and is refused)."""
+    threads: int = 0
+    """torch intra-op threads on CPU; 0 keeps torch's default."""
+
+    def __post_init__(self) -> None:
+        _check(self.max_steps >= 1, f"train.max_steps={self.max_steps} must be >= 1")
+        _check(self.eval_every >= 1, f"train.eval_every={self.eval_every} must be >= 1")
+        _check(self.log_every >= 1, f"train.log_every={self.log_every} must be >= 1")
+        _check(self.device in DEVICES, f"train.device={self.device!r} is unknown; use one of {', '.join(DEVICES)}")
+        _check(
+            self.dtype in DTYPES,
+            f"train.dtype={self.dtype!r} is not supported; use fp32 or bf16 (fp16 needs loss scaling kdsweep does not do)",
+        )
+        _check(self.threads >= 0, f"train.threads={self.threads} must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggerConfig:
+    """Where metrics go. JSONL is always written; the progress bar is for humans."""
+
+    progress_bar: bool = True
+    """Show a progress bar with the live loss on rank 0."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Step checkpoints for resuming, and the final exports."""
+
+    save_every: int = 20
+    """Write a step checkpoint every this many optimizer steps (0 disables step checkpoints)."""
+    keep_last: int = 2
+    """Keep this many step checkpoints; older ones are deleted once a newer one is complete."""
+    resume: bool = True
+    """Resume from the latest complete checkpoint in the output directory, if there is one."""
+    export_adapter: bool = True
+    """Save the peft adapter at the end (LoRA runs)."""
+    export_merged: bool = True
+    """Save the merged HF model (adapter folded into the base) at the end, in its own directory."""
+
+    def __post_init__(self) -> None:
+        _check(self.save_every >= 0, f"checkpoint.save_every={self.save_every} must be >= 0 (0 disables)")
+        _check(self.keep_last >= 1, f"checkpoint.keep_last={self.keep_last} must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """One kdsweep job: what to distil into what, on which data, with which loss and schedule."""
+
+    output_dir: str
+    """The run directory: checkpoints, exports, metrics and records go here."""
+    model: StudentConfig = field(default_factory=lambda: StudentConfig(zoo="tiny-student"))
+    teacher: TeacherConfig = field(default_factory=lambda: TeacherConfig(zoo="tiny-teacher"))
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        _check(bool(self.output_dir), "output_dir is empty; pass hydra.run.dir=<directory>")
+
+    @property
+    def grad_accum_steps(self) -> int:
+        """Micro-batches per optimizer step on one rank (single rank here)."""
+        return self.data.batch_size // self.data.micro_batch_size

@@ -1,0 +1,1 @@
+"""Corpora, tokenized sequences and resumable sampling."""

@@ -1,0 +1,114 @@
+"""Pure knowledge-distillation math on tensors.
+
+Every function works on flattened tokens: logits ``[N, V]`` (N tokens, V vocabulary entries) and labels ``[N]``.
+Losses are **sums** over valid tokens, accumulated in fp32, returned with the valid-token count, so that callers
+can normalise by any count they like (the global count of an optimizer step, for correct gradient
+accumulation). Labels equal to ``ignore_index`` contribute nothing; an all-masked input gives exactly 0.
+No function here synchronises with the host (no ``.item()``, no boolean indexing).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+
+class LossSums(NamedTuple):
+    """Token sums of one batch. ``kd`` already carries the T² factor, so ``total`` is a plain mix."""
+
+    ce: torch.Tensor
+    """Σ cross-entropy of the student against the labels (fp32 scalar)."""
+    kd: torch.Tensor
+    """Σ T²·KL(teacher_T ‖ student_T) (fp32 scalar)."""
+    tokens: torch.Tensor
+    """Number of valid (non-ignored) tokens (int64 scalar)."""
+
+    def total(self, kd_ratio: float) -> torch.Tensor:
+        """``(1 - kd_ratio)·Σce + kd_ratio·Σkd``."""
+        return (1.0 - kd_ratio) * self.ce + kd_ratio * self.kd
+
+
+def split_chunks(num_chunks: int, *tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    """Split aligned tensors along their first (token) dimension into the same ``num_chunks`` pieces.
+
+    One split function for logits, labels and teacher values, so a chunk of logits always meets the labels of
+    the same tokens, whatever ``N % num_chunks`` is.
+    """
+    n = tensors[0].shape[0]
+    if any(t.shape[0] != n for t in tensors):
+        raise ValueError(f"split_chunks: tensors disagree on the token dimension: {[t.shape[0] for t in tensors]}")
+    pieces = [torch.tensor_split(t, min(num_chunks, max(n, 1)), dim=0) for t in tensors]
+    return list(zip(*pieces))
+
+
+def align_vocab(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cut both ``[..., V]`` tensors to the smaller vocabulary.
+
+    Models that share a tokenizer may pad their output layer to different sizes (Qwen2.5-7B: 152064 rows,
+    0.5B: 151936, tokenizer: 151665). The padded rows are never a label, so dropping them on both sides keeps
+    the distributions comparable. Callers must have checked that the tokenizer fits inside the smaller size.
+    """
+    v = min(student_logits.shape[-1], teacher_logits.shape[-1])
+    return student_logits[..., :v], teacher_logits[..., :v]
+
+
+def valid_mask(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """``[N]`` bool: tokens that count."""
+    return labels != ignore_index
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Σ over valid tokens of −log softmax(logits)[label]; logits ``[N, V]``, labels ``[N]``; fp32."""
+    return F.cross_entropy(logits.float(), labels, ignore_index=ignore_index, reduction="sum")
+
+
+def forward_kl_per_token(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``[N]`` KL(teacher_T ‖ student_T) = Σ_v p_t (log p_t − log p_s), with p_x = softmax(logits_x / T).
+
+    Zero-based: identical distributions give exactly 0 (unlike the cross-entropy to the teacher, which adds
+    the teacher's entropy and so changes with the teacher, not with the student).
+    """
+    log_p_s = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    log_p_t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    return F.kl_div(log_p_s, log_p_t, reduction="none", log_target=True).sum(-1)
+
+
+def forward_kl_sum(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Σ over valid tokens of KL(teacher_T ‖ student_T); logits ``[N, V]``, labels ``[N]`` (only the mask is used)."""
+    per_token = forward_kl_per_token(student_logits, teacher_logits, temperature)
+    return torch.where(valid_mask(labels, ignore_index), per_token, 0.0).sum()
+
+
+def kd_loss_sums(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    num_chunks: int = 1,
+) -> LossSums:
+    """CE and T²-scaled forward KL sums over ``num_chunks`` token chunks.
+
+    student_logits ``[..., Vs]``, teacher_logits ``[..., Vt]`` (vocabularies aligned by :func:`align_vocab`),
+    labels ``[...]`` with the same leading shape; everything is flattened to tokens first.
+    """
+    student_logits, teacher_logits = align_vocab(student_logits, teacher_logits)
+    v = student_logits.shape[-1]
+    s, t, y = student_logits.reshape(-1, v), teacher_logits.reshape(-1, v), labels.reshape(-1)
+    ce = s.new_zeros((), dtype=torch.float32)
+    kd = s.new_zeros((), dtype=torch.float32)
+    for s_c, t_c, y_c in split_chunks(num_chunks, s, t, y):
+        ce = ce + cross_entropy_sum(s_c, y_c, ignore_index)
+        kd = kd + forward_kl_sum(s_c, t_c, y_c, temperature=temperature, ignore_index=ignore_index)
+    tokens = valid_mask(y, ignore_index).sum()
+    return LossSums(ce=ce, kd=kd * temperature**2, tokens=tokens)

@@ -1,0 +1,166 @@
+"""The embedded tiny zoo: a tokenizer, a teacher and a student base, built locally and deterministically.
+
+Nothing is downloaded. The first use trains a byte-level BPE tokenizer on the embedded corpus, pre-trains a
+small Llama teacher and a smaller Llama student base on the corpus' training split, and saves each as an
+ordinary Hugging Face directory, so they load through the very code that loads ``/ckpts/Llama-3.2-1B``.
+Each artefact is cached under ``$KDSWEEP_CACHE`` (default ``~/.cache/kdsweep``) in a directory named by a
+hash of everything that determines it; concurrent builders wait on a file lock and the directory appears by
+an atomic rename, so a killed build never leaves a half-written model behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+from kdsweep.data.text import EMBEDDED_CORPUS, load_corpus
+
+log = logging.getLogger(__name__)
+
+ZOO_VERSION = 1
+# The default data split (DataConfig defaults): the tiny models never see the default held-out documents.
+SPLIT = {"eval_fraction": 0.05, "split_seed": 1234}
+TOKENIZER = {"vocab_size": 2048, "min_frequency": 2}
+SPECIAL_TOKENS = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
+ARCHS: dict[str, dict[str, Any]] = {
+    "tiny-teacher": {
+        "hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "max_position_embeddings": 512, "rope_theta": 10000.0,
+    },
+    "tiny-student": {
+        "hidden_size": 64, "intermediate_size": 172, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "num_key_value_heads": 2, "max_position_embeddings": 512, "rope_theta": 10000.0,
+    },
+}
+# Pre-training recipes. The teacher learns all training documents; the student base only the first half of
+# them (Genesis and part of Proverbs), so distilling on the whole corpus is a real domain transfer, as when a
+# generic 1B student learns a teacher's domain.
+RECIPES: dict[str, dict[str, Any]] = {
+    "tiny-teacher": {"steps": 400, "batch_size": 16, "seq_len": 128, "lr": 5e-3, "warmup": 20, "seed": 0, "docs": 1.0},
+    "tiny-student": {"steps": 150, "batch_size": 16, "seq_len": 128, "lr": 3e-3, "warmup": 10, "seed": 1, "docs": 0.5},
+}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("KDSWEEP_CACHE", Path.home() / ".cache" / "kdsweep")) / "zoo"
+
+
+def max_positions(name: str) -> int:
+    """Context length of a zoo model, known without building it."""
+    return int(ARCHS[name]["max_position_embeddings"])
+
+
+def _digest(*parts: Any) -> str:
+    h = hashlib.sha256(EMBEDDED_CORPUS.read_bytes())
+    h.update(json.dumps([ZOO_VERSION, SPLIT, *parts], sort_keys=True).encode())
+    return h.hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _built_once(name: str, key: str) -> Iterator[tuple[Path, Path | None]]:
+    """Yield (final dir, temp dir to fill or None when already built); the temp dir is renamed on success."""
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{name}-{key}"
+    with open(root / f".{name}-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another job building the same artefact: wait for it
+        if final.is_dir():
+            yield final, None
+            return
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
+        try:
+            yield final, tmp
+            os.rename(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def tokenizer_dir() -> Path:
+    """The tiny tokenizer (byte-level BPE on the embedded corpus' training documents), built once."""
+    with _built_once("tokenizer", _digest(TOKENIZER, SPECIAL_TOKENS)) as (final, tmp):
+        if tmp is not None:
+            log.info("building the tiny tokenizer (once) in %s", final)
+            _train_tokenizer().save_pretrained(tmp)
+    return final
+
+
+def _train_tokenizer() -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=SPECIAL_TOKENS["unk_token"]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER["vocab_size"],
+        min_frequency=TOKENIZER["min_frequency"],
+        special_tokens=list(SPECIAL_TOKENS.values()),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(load_corpus((), (), **SPLIT).train, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS)
+
+
+def model_dir(name: str) -> Path:
+    """HF directory of zoo model ``name`` (weights + config + tokenizer), built and cached on first use."""
+    if name not in ARCHS:
+        raise ValueError(f"unknown zoo model {name!r}; known: {', '.join(ARCHS)}")
+    tok_dir = tokenizer_dir()
+    with _built_once(name, _digest(TOKENIZER, SPECIAL_TOKENS, ARCHS[name], RECIPES[name])) as (final, tmp):
+        if tmp is not None:
+            log.info("pre-training the embedded %s (once) into %s", name, final)
+            _pretrain(name, tok_dir, tmp)
+    return final
+
+
+def _pretrain(name: str, tok_dir: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from kdsweep.data.sampling import StepSampler
+    from kdsweep.data.text import tokenize_to_sequences
+
+    recipe = RECIPES[name]
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    torch.manual_seed(recipe["seed"])
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        use_cache=False,
+        **ARCHS[name],
+    )
+    model = LlamaForCausalLM(config)
+    docs = load_corpus((), (), **SPLIT).train
+    seqs = tokenize_to_sequences(tokenizer, docs[: round(len(docs) * recipe["docs"])], recipe["seq_len"])
+    sampler = StepSampler(len(seqs), recipe["batch_size"], recipe["seed"])
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe["lr"], weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / recipe["warmup"]) * max(0.05, 1 - s / recipe["steps"])
+    )
+    model.train()
+    for step in range(recipe["steps"]):
+        batch = seqs[sampler.global_batch(step)]
+        logits = model(input_ids=batch[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 50 == 0 or step == recipe["steps"] - 1:
+            log.info("%s pre-training step %d/%d: loss %.3f", name, step + 1, recipe["steps"], loss.item())
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "kdsweep_zoo.json").write_text(json.dumps({"name": name, "arch": ARCHS[name], "recipe": recipe}, indent=2))

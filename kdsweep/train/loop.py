@@ -1,0 +1,224 @@
+"""``run(cfg)``: build everything, resume if possible, train, evaluate, checkpoint, export, record."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from kdsweep.checkpoint import export as exporting
+from kdsweep.checkpoint import steps as checkpoints
+from kdsweep.config.schema import ConfigError, RunConfig
+from kdsweep.data.sampling import StepSampler
+from kdsweep.data.text import load_corpus, tokenize_to_sequences
+from kdsweep.distributed import DistEnv, single_process
+from kdsweep.metrics.records import RunRecord
+from kdsweep.metrics.sinks import JsonlSink, MetricLogger
+from kdsweep.models.load import load_student, load_teacher, load_tokenizer, resolve_dir
+from kdsweep.train import schedule
+from kdsweep.train.step import Batch, EvalResult, evaluate, train_step
+
+log = logging.getLogger(__name__)
+
+
+class Reporter(Protocol):
+    """How a run tells a sweep about its evals; ``True`` from ``report`` means: stop now (pruned)."""
+
+    def report(self, step: int, value: float) -> bool: ...
+
+
+class _NullReporter:
+    def report(self, step: int, value: float) -> bool:
+        return False
+
+
+NULL_REPORTER: Reporter = _NullReporter()
+
+
+@dataclass
+class RunResult:
+    objective: float
+    """Held-out student CE after training (lower is better)."""
+    status: str
+    """completed, or pruned when the reporter asked to stop."""
+    steps: int
+    eval_before: EvalResult
+    eval_after: EvalResult
+    output_dir: str
+    exports: dict[str, str] = field(default_factory=dict)
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but no CUDA device is visible; pass train.device=cpu or auto")
+    return torch.device(name)
+
+
+def _as_batches(seqs: torch.Tensor, device: torch.device) -> Batch:
+    """Windows ``[B, T+1]`` → (inputs ``[B, T]``, labels ``[B, T]``)."""
+    seqs = seqs.to(device)
+    return seqs[:, :-1], seqs[:, 1:]
+
+
+def run(
+    cfg: RunConfig,
+    *,
+    reporter: Reporter = NULL_REPORTER,
+    dist: DistEnv | None = None,
+    resolved_config: dict[str, Any] | None = None,
+    overrides: list[str] | None = None,
+) -> RunResult:
+    """Train the student against the teacher as ``cfg`` says; resumable from ``cfg.output_dir``."""
+    dist = dist or single_process()
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    record = RunRecord(out / "run.json", resolved_config or asdict(cfg), overrides or []) if dist.is_main else None
+    started = time.time()
+    try:
+        result = _train(cfg, dist, reporter, out, record)
+    except BaseException as e:
+        if record is not None:
+            record.update(status="failed", error=f"{type(e).__name__}: {e}", wall_seconds=time.time() - started)
+        raise
+    if record is not None:
+        record.update(
+            status=result.status,
+            objective=result.objective,
+            steps=result.steps,
+            eval_before=asdict(result.eval_before),
+            eval_after=asdict(result.eval_after),
+            exports=result.exports,
+            wall_seconds=time.time() - started,
+        )
+    return result
+
+
+def _train(cfg: RunConfig, dist: DistEnv, reporter: Reporter, out: Path, record: RunRecord | None) -> RunResult:
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    device = _device(cfg.train.device)
+    torch.manual_seed(cfg.train.seed)
+    timings: dict[str, float] = {}
+
+    t0 = time.perf_counter()
+    student_dir, teacher_dir = resolve_dir(cfg.model), resolve_dir(cfg.teacher)
+    tokenizer = load_tokenizer(student_dir)
+    d = cfg.data
+    corpus = load_corpus(d.train_files, d.eval_files, d.eval_fraction, d.split_seed)
+    train_seqs = tokenize_to_sequences(tokenizer, corpus.train, d.seq_len)
+    eval_seqs = tokenize_to_sequences(tokenizer, corpus.eval, d.seq_len)
+    if d.max_eval_sequences:
+        eval_seqs = eval_seqs[: d.max_eval_sequences]
+    if len(train_seqs) == 0 or len(eval_seqs) == 0:
+        split = "training" if len(train_seqs) == 0 else "eval"
+        raise ConfigError(
+            f"data: the {split} split has fewer than data.seq_len={d.seq_len} tokens; add text or lower data.seq_len"
+        )
+    timings["data_s"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    dtype = cfg.train.dtype
+    teacher = load_teacher(teacher_dir, dtype, device)
+    student = load_student(student_dir, cfg.model, dtype, device, cfg.train.seed)
+    timings["models_s"] = time.perf_counter() - t0
+
+    o = cfg.optim
+    optimizer = torch.optim.AdamW(
+        [p for p in student.parameters() if p.requires_grad], lr=o.lr, betas=o.betas, eps=o.eps,
+        weight_decay=o.weight_decay,
+    )
+    scheduler = schedule.build(optimizer, o, cfg.train.max_steps)
+    sampler = StepSampler(len(train_seqs), d.batch_size, cfg.train.seed)
+    eval_batches = [_as_batches(chunk, device) for chunk in eval_seqs.split(d.eval_batch_size)]
+    evaluate_now = lambda: evaluate(student, teacher, eval_batches, ignore_index=cfg.loss.ignore_index, dist=dist)
+
+    ckpt_root = out / "checkpoints"
+    resume_from = checkpoints.latest(ckpt_root) if cfg.checkpoint.resume else None
+    if resume_from is not None:
+        state = checkpoints.load(resume_from, student, optimizer, dist)
+        scheduler.load_state_dict(state["scheduler"])
+        start_step, eval_before = state["step"], EvalResult(**state["eval_before"])
+        log.info("resumed from %s (step %d)", resume_from, start_step)
+    else:
+        start_step, eval_before = 0, evaluate_now()
+    log.info(
+        "held-out CE before: student %.4f, teacher %.4f (KL %.4f, %d tokens)",
+        eval_before.student_ce, eval_before.teacher_ce, eval_before.kl, eval_before.tokens,
+    )
+    sinks = [JsonlSink(out / "metrics.jsonl", resume_step=start_step)] if dist.is_main else []
+    metrics = MetricLogger(sinks)
+    if start_step == 0:
+        metrics.log("eval", 0, asdict(eval_before))
+    if record is not None:
+        record.update(timings=timings, resumed_from=str(resume_from) if resume_from else None, start_step=start_step)
+
+    status, step = "completed", start_step
+    from tqdm import tqdm
+
+    bar = tqdm(
+        total=cfg.train.max_steps, initial=start_step, desc="kd", disable=not (cfg.logger.progress_bar and dist.is_main)
+    )
+    tokens_per_step_local = d.batch_size // dist.world_size * d.seq_len
+    while step < cfg.train.max_steps:
+        t_step = time.perf_counter()
+        micro = [
+            _as_batches(train_seqs[idx], device)
+            for idx in sampler.rank_micro_batches(step, dist.rank, dist.world_size, d.micro_batch_size)
+        ]
+        stats = train_step(
+            student, teacher, micro, optimizer, scheduler,
+            loss_cfg=cfg.loss, max_grad_norm=o.max_grad_norm, dist=dist,
+        )
+        step += 1
+        elapsed = time.perf_counter() - t_step
+        bar.update(1)
+        bar.set_postfix(loss=f"{stats.loss:.4f}", ce=f"{stats.ce:.4f}", kd=f"{stats.kd:.4f}")
+        if step % cfg.train.log_every == 0:
+            metrics.log("train", step, {
+                **asdict(stats),
+                "tokens_per_s": tokens_per_step_local * dist.world_size / elapsed,
+                "tokens_per_s_per_rank": tokens_per_step_local / elapsed,
+                "step_s": elapsed,
+            })
+        stop = False
+        if step % cfg.train.eval_every == 0 and step < cfg.train.max_steps:
+            ev = evaluate_now()
+            metrics.log("eval", step, asdict(ev))
+            stop = reporter.report(step, ev.student_ce)
+        if (cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0) or step == cfg.train.max_steps or stop:
+            checkpoints.save(
+                ckpt_root, step, student, optimizer,
+                {"step": step, "scheduler": scheduler.state_dict(), "eval_before": asdict(eval_before)},
+                dist, cfg.checkpoint.keep_last,
+            )
+        if stop:
+            status = "pruned"
+            log.info("the sweep pruned this trial at step %d", step)
+            break
+    bar.close()
+
+    eval_after = evaluate_now()
+    metrics.log("eval", step, asdict(eval_after))
+    if status == "completed":
+        reporter.report(step, eval_after.student_ce)
+    metrics.close()
+    log.info(
+        "held-out CE after %d steps: student %.4f (before %.4f), teacher %.4f, KL %.4f",
+        step, eval_after.student_ce, eval_before.student_ce, eval_after.teacher_ce, eval_after.kl,
+    )
+    exports: dict[str, str] = {}
+    if dist.is_main and status == "completed":
+        exports = exporting.export(
+            student, tokenizer, out / "final",
+            adapter=cfg.checkpoint.export_adapter, merged=cfg.checkpoint.export_merged,
+        )
+    return RunResult(
+        objective=eval_after.student_ce, status=status, steps=step, eval_before=eval_before,
+        eval_after=eval_after, output_dir=str(out), exports=exports,
+    )

@@ -1,0 +1,114 @@
+"""The one optimizer step of a KD job, and the held-out evaluation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kdsweep.config.schema import LossConfig
+from kdsweep.distributed import DistEnv
+from kdsweep.losses import LossSums, forward_kl_sum, kd_loss_sums, cross_entropy_sum, align_vocab
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+"""(input_ids ``[B, T]``, labels ``[B, T]``): labels already shifted, ``ignore_index`` where a token does not count."""
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """Token-weighted means over the whole optimizer step (all micro-batches of all ranks)."""
+
+    loss: float
+    ce: float
+    kd: float
+    tokens: int
+    grad_norm: float
+    lr: float
+
+
+def train_step(
+    student: nn.Module,
+    teacher: nn.Module,
+    micro_batches: list[Batch],
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    *,
+    loss_cfg: LossConfig,
+    max_grad_norm: float,
+    dist: DistEnv,
+) -> StepStats:
+    """Accumulate gradients over ``micro_batches``, clip, step the optimizer and the schedule.
+
+    Every micro-batch's loss is a *sum* over its valid tokens divided by the valid tokens of the whole step on
+    all ranks, so the gradient equals that of the token-mean loss of the global batch, however the batch is
+    split over ranks and micro-batches. Gradient reduction across ranks averages (FSDP/DDP default); the
+    ``world_size`` factor turns that average back into the sum the normalisation assumes.
+    """
+    ignore = loss_cfg.ignore_index
+    local_tokens = sum((labels != ignore).sum() for _, labels in micro_batches)
+    global_tokens = dist.all_reduce_sum(torch.as_tensor(local_tokens, dtype=torch.float32).clone())
+    scale = dist.world_size / global_tokens.clamp_min(1.0)
+    totals = torch.zeros(2, dtype=torch.float32, device=global_tokens.device)  # Σce, Σkd
+    for input_ids, labels in micro_batches:
+        with torch.no_grad():
+            teacher_logits = teacher(input_ids=input_ids).logits
+        student_logits = student(input_ids=input_ids).logits
+        sums = kd_loss_sums(
+            student_logits, teacher_logits, labels,
+            temperature=loss_cfg.temperature, ignore_index=ignore, num_chunks=loss_cfg.num_chunks,
+        )
+        (sums.total(loss_cfg.kd_ratio) * scale).backward()
+        totals += torch.stack([sums.ce, sums.kd]).detach()
+    params = [p for p in student.parameters() if p.requires_grad]
+    # max_norm=inf measures the norm without clipping.
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
+    lr = optimizer.param_groups[0]["lr"]
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    dist.all_reduce_sum(totals)
+    ce, kd = (totals / global_tokens.clamp_min(1.0)).tolist()  # the step's single host sync
+    r = loss_cfg.kd_ratio
+    return StepStats(
+        loss=(1 - r) * ce + r * kd, ce=ce, kd=kd, tokens=int(global_tokens.item()), grad_norm=float(grad_norm), lr=lr
+    )
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Held-out, token-weighted means over all ranks."""
+
+    student_ce: float
+    """Student cross-entropy on the gold labels: the objective (independent of kd_ratio)."""
+    kl: float
+    """KL(teacher ‖ student) at temperature 1."""
+    teacher_ce: float
+    """Teacher cross-entropy on the gold labels: the floor distillation aims at."""
+    tokens: int
+
+
+@torch.no_grad()
+def evaluate(student: nn.Module, teacher: nn.Module, batches: list[Batch], *, ignore_index: int, dist: DistEnv) -> EvalResult:
+    """Student CE, KL(teacher‖student) and teacher CE on held-out batches; the student is left in train mode."""
+    student.eval()
+    device = next(student.parameters()).device
+    sums = torch.zeros(4, dtype=torch.float64, device=device)  # Σ student ce, Σ kl, Σ teacher ce, tokens
+    for input_ids, labels in batches:
+        s_logits, t_logits = align_vocab(student(input_ids=input_ids).logits, teacher(input_ids=input_ids).logits)
+        v = s_logits.shape[-1]
+        s, t, y = s_logits.reshape(-1, v), t_logits.reshape(-1, v), labels.reshape(-1)
+        sums += torch.stack([
+            cross_entropy_sum(s, y, ignore_index),
+            forward_kl_sum(s, t, y, temperature=1.0, ignore_index=ignore_index),
+            cross_entropy_sum(t, y, ignore_index),
+            (y != ignore_index).sum().float(),
+        ]).double()
+    student.train()
+    dist.all_reduce_sum(sums)
+    ce, kl, tce, n = sums.tolist()
+    n_safe = max(n, 1.0)
+    return EvalResult(student_ce=ce / n_safe, kl=kl / n_safe, teacher_ce=tce / n_safe, tokens=int(n))
+
+
+__all__ = ["Batch", "EvalResult", "LossSums", "StepStats", "evaluate", "train_step"]

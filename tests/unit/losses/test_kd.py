@@ -1,0 +1,123 @@
+"""KD loss math against a dense float64 reference."""
+
+import math
+
+import pytest
+import torch
+
+from kdsweep.losses import align_vocab, kd_loss_sums, split_chunks
+
+IGNORE = -100
+
+
+def reference(student, teacher, labels, temperature):
+    """Dense float64 CE and T²·KL(teacher_T‖student_T) sums, written from the formulas."""
+    s, t = student.double(), teacher.double()
+    valid = labels != IGNORE
+    log_p = torch.log_softmax(s, -1)
+    ce = -(log_p.gather(-1, labels.clamp_min(0)[:, None])[:, 0] * valid).sum()
+    log_ps, log_pt = torch.log_softmax(s / temperature, -1), torch.log_softmax(t / temperature, -1)
+    kl = (log_pt.exp() * (log_pt - log_ps)).sum(-1)
+    return ce, temperature**2 * (kl * valid).sum(), valid.sum()
+
+
+def ragged(n, v, seed, masked=0.3):
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randn(n, v, generator=g) * 3
+    t = torch.randn(n, v, generator=g) * 3
+    y = torch.randint(0, v, (n,), generator=g)
+    y[torch.rand(n, generator=g) < masked] = IGNORE
+    return s, t, y
+
+
+def test_kl_of_identical_distributions_is_zero():
+    s, _, y = ragged(37, 50, 0)
+    sums = kd_loss_sums(s, s.clone(), y, temperature=1.7, num_chunks=4)
+    assert sums.kd.item() == pytest.approx(0.0, abs=1e-6)
+    assert sums.ce.item() > 0
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0, 4.0])
+@pytest.mark.parametrize("n", [1, 31, 64, 97])
+def test_matches_dense_float64_reference(n, temperature):
+    s, t, y = ragged(n, 40, n)
+    got = kd_loss_sums(s, t, y, temperature=temperature, num_chunks=8)
+    ce, kd, count = reference(s, t, y, temperature)
+    assert got.tokens.item() == count.item()
+    assert got.ce.item() == pytest.approx(ce.item(), rel=1e-5, abs=1e-5)
+    assert got.kd.item() == pytest.approx(kd.item(), rel=1e-5, abs=1e-5)
+
+
+@pytest.mark.parametrize("n,chunks", [(97, 8), (33, 5), (10, 16), (128, 3)])
+def test_chunked_equals_dense_in_value_and_gradient(n, chunks):
+    s, t, y = ragged(n, 64, n + chunks)
+    s1 = s.clone().requires_grad_()
+    s2 = s.clone().requires_grad_()
+    dense = kd_loss_sums(s1, t, y, temperature=2.0, num_chunks=1)
+    chunked = kd_loss_sums(s2, t, y, temperature=2.0, num_chunks=chunks)
+    dense.total(0.3).backward()
+    chunked.total(0.3).backward()
+    assert torch.allclose(dense.ce, chunked.ce, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(dense.kd, chunked.kd, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(s1.grad, s2.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_temperature_squared_scaling():
+    """The KD term is T² times the KL between the tempered distributions (keeps gradient scale ~T-free)."""
+    s, t, y = ragged(50, 30, 3, masked=0.0)
+    for temperature in (1.0, 2.0, 3.0):
+        got = kd_loss_sums(s, t, y, temperature=temperature).kd
+        log_ps, log_pt = torch.log_softmax(s.double() / temperature, -1), torch.log_softmax(t.double() / temperature, -1)
+        kl = (log_pt.exp() * (log_pt - log_ps)).sum()
+        assert got.item() == pytest.approx(temperature**2 * kl.item(), rel=1e-5)
+
+
+def test_all_masked_batch_gives_zero_not_nan():
+    s, t, _ = ragged(20, 10, 4)
+    s.requires_grad_()
+    y = torch.full((20,), IGNORE)
+    sums = kd_loss_sums(s, t, y, temperature=2.0, num_chunks=3)
+    assert sums.tokens.item() == 0
+    assert sums.ce.item() == 0.0 and sums.kd.item() == 0.0
+    sums.total(0.5).backward()
+    assert torch.isfinite(s.grad).all() and s.grad.abs().max().item() == 0.0
+
+
+def test_ignored_tokens_do_not_matter():
+    s, t, y = ragged(40, 12, 5, masked=0.5)
+    s2, t2 = s.clone(), t.clone()
+    masked = y == IGNORE
+    s2[masked] += 100.0
+    t2[masked] -= 50.0
+    a, b = kd_loss_sums(s, t, y), kd_loss_sums(s2, t2, y)
+    assert torch.allclose(a.ce, b.ce) and torch.allclose(a.kd, b.kd)
+
+
+def test_padded_teacher_vocab_is_aligned():
+    """A teacher whose output layer has extra (never used) rows gives the same loss once aligned."""
+    s, t, y = ragged(25, 32, 6)
+    padded = torch.cat([t, torch.randn(25, 8)], dim=-1)
+    a = kd_loss_sums(s, t, y, temperature=2.0)
+    b = kd_loss_sums(s, padded, y, temperature=2.0)
+    assert torch.allclose(a.kd, b.kd) and torch.allclose(a.ce, b.ce)
+    s_al, t_al = align_vocab(s, padded)
+    assert s_al.shape == t_al.shape == (25, 32)
+
+
+def test_split_chunks_keeps_tensors_aligned():
+    x = torch.arange(11)
+    pieces = split_chunks(4, x, x * 10, x[:, None].expand(11, 3))
+    assert len(pieces) == 4
+    for a, b, c in pieces:
+        assert torch.equal(a * 10, b) and torch.equal(a, c[:, 0])
+    assert torch.equal(torch.cat([p[0] for p in pieces]), x)
+    with pytest.raises(ValueError):
+        split_chunks(2, x, x[:5])
+
+
+def test_total_mixes_by_kd_ratio():
+    s, t, y = ragged(16, 8, 7)
+    sums = kd_loss_sums(s, t, y, temperature=1.0)
+    assert math.isclose(sums.total(0.0).item(), sums.ce.item(), rel_tol=1e-6)
+    assert math.isclose(sums.total(1.0).item(), sums.kd.item(), rel_tol=1e-6)
+    assert math.isclose(sums.total(0.25).item(), 0.75 * sums.ce.item() + 0.25 * sums.kd.item(), rel_tol=1e-6)

@@ -1,0 +1,39 @@
+"""DESIGN.md's import contracts: config is pure, train never sees hydra/submitit/optuna, --help needs no torch."""
+
+import subprocess
+import sys
+
+import pytest
+
+
+def imported_after(statement: str) -> set[str]:
+    code = f"import sys; {statement}; print('\\n'.join(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    names = set(out.split())
+    return names | {m.split(".")[0] for m in names}
+
+
+@pytest.mark.parametrize(
+    "module,forbidden",
+    [
+        ("kdsweep.config", {"torch", "hydra", "omegaconf"}),
+        ("kdsweep.models.check", {"torch", "hydra", "omegaconf"}),
+        ("kdsweep.data.check", {"torch", "hydra", "omegaconf"}),
+        ("kdsweep.app", {"torch", "transformers", "peft"}),
+        ("kdsweep.train", {"hydra", "omegaconf", "submitit", "optuna"}),
+        ("kdsweep.losses", {"hydra", "omegaconf", "transformers", "peft", "kdsweep.config"}),
+    ],
+)
+def test_module_does_not_import(module, forbidden):
+    loaded = imported_after(f"import {module}")
+    assert not (forbidden & loaded), forbidden & loaded
+
+
+def test_help_path_imports_no_torch():
+    code = (
+        "import sys, runpy; sys.argv = ['kdsweep', '--help']\n"
+        "try:\n    runpy.run_module('kdsweep', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+        "assert 'torch' not in sys.modules, 'torch imported by --help'\nprint('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr

@@ -1,0 +1,103 @@
+"""train_step: gradients are those of the global token-mean loss, however the step's batch is split."""
+
+import copy
+
+import pytest
+import torch
+
+from helpers import tiny_llama
+from kdsweep.config import LossConfig
+from kdsweep.distributed import single_process
+from kdsweep.losses import kd_loss_sums
+from kdsweep.train.step import train_step
+
+IGNORE = -100
+B, T, V = 8, 12, 96
+
+
+def batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, V, (B, T), generator=g)
+    y = torch.randint(0, V, (B, T), generator=g)
+    # Ragged: sequence i keeps only its first 2 + i labels, so micro-batches hold very different token counts.
+    for i in range(B):
+        y[i, 2 + i:] = IGNORE
+    y[3] = IGNORE  # one sequence with no valid token at all
+    return x, y
+
+
+def student_and_teacher(lora: bool):
+    student = tiny_llama(seed=1)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(2)
+        student = get_peft_model(student, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+        # LoRA B starts at zero, which would hide errors in A's gradient: give B a value.
+        for n, p in student.named_parameters():
+            if "lora_B" in n:
+                torch.nn.init.normal_(p, std=0.1)
+    teacher = tiny_llama(seed=3).eval().requires_grad_(False)
+    return student.train(), teacher
+
+
+def run_split(student, teacher, micro: int, loss_cfg):
+    student = copy.deepcopy(student)
+    params = [p for p in student.parameters() if p.requires_grad]
+    before = [p.detach().clone() for p in params]
+    opt = torch.optim.SGD(params, lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    x, y = batch()
+    micro_batches = list(zip(x.split(micro), y.split(micro)))
+    stats = train_step(student, teacher, micro_batches, opt, sched, loss_cfg=loss_cfg, max_grad_norm=0.0, dist=single_process())
+    grads = [b - p.detach() for b, p in zip(before, params)]  # SGD with lr 1: the update is the gradient
+    return grads, stats
+
+
+@pytest.mark.parametrize("lora", [True, False])
+def test_gradients_identical_for_1x8_2x4_8x1(lora):
+    student, teacher = student_and_teacher(lora)
+    loss_cfg = LossConfig(kd_ratio=0.4, temperature=2.0, num_chunks=3)
+    results = {m: run_split(student, teacher, m, loss_cfg) for m in (8, 4, 1)}
+    g8, s8 = results[8]
+    for m in (4, 1):
+        g, s = results[m]
+        for a, b in zip(g8, g):
+            assert torch.allclose(a, b, rtol=0, atol=1e-6), (m, (a - b).abs().max())
+        assert s.loss == pytest.approx(s8.loss, rel=1e-6) and s.tokens == s8.tokens
+
+    # ... and they are the gradients of the token-mean loss of the whole batch in one pass.
+    ref_student = copy.deepcopy(student)
+    x, y = batch()
+    sums = kd_loss_sums(ref_student(input_ids=x).logits, teacher(input_ids=x).logits, y, temperature=2.0)
+    (sums.total(0.4) / sums.tokens).backward()
+    ref = [p.grad for p in ref_student.parameters() if p.requires_grad]
+    for a, b in zip(g8, ref):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6)
+
+
+def test_logged_losses_are_token_weighted_means_of_the_whole_step():
+    student, teacher = student_and_teacher(lora=True)
+    loss_cfg = LossConfig(kd_ratio=0.5, temperature=1.0)
+    _, stats = run_split(student, teacher, 2, loss_cfg)
+    x, y = batch()
+    with torch.no_grad():
+        sums = kd_loss_sums(student(input_ids=x).logits, teacher(input_ids=x).logits, y, temperature=1.0)
+    n = sums.tokens.item()
+    assert stats.tokens == n == int((y != IGNORE).sum())
+    assert stats.ce == pytest.approx(sums.ce.item() / n, rel=1e-5)
+    assert stats.kd == pytest.approx(sums.kd.item() / n, rel=1e-5)
+    assert stats.loss == pytest.approx(0.5 * stats.ce + 0.5 * stats.kd, rel=1e-6)
+
+
+def test_gradient_clipping_bounds_the_update():
+    student, teacher = student_and_teacher(lora=False)
+    params = [p for p in student.parameters() if p.requires_grad]
+    before = [p.detach().clone() for p in params]
+    opt = torch.optim.SGD(params, lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    x, y = batch()
+    stats = train_step(student, teacher, [(x, y)], opt, sched, loss_cfg=LossConfig(kd_ratio=0.5), max_grad_norm=1e-3, dist=single_process())
+    update_norm = torch.sqrt(sum(((b - p.detach()) ** 2).sum() for b, p in zip(before, params)))
+    assert stats.grad_norm > 1e-3  # the unclipped norm is reported
+    assert update_norm.item() == pytest.approx(1e-3, rel=1e-3)
