@@ -29,7 +29,9 @@ def export(model: nn.Module, tokenizer, out: Path, *, adapter: bool, merged: boo
     is_peft = hasattr(model, "peft_config")
     if adapter and is_peft:
         tmp = out / ".tmp-adapter"
-        model.save_pretrained(tmp)
+        # The base stays frozen, so its embeddings never belong in the adapter (peft would add them when
+        # lm_head is a LoRA target).
+        model.save_pretrained(tmp, save_embedding_layers=False)
         _publish(tmp, out / "adapter")
         written["adapter"] = str(out / "adapter")
     if merged:

@@ -9,11 +9,13 @@ only a temp directory, which the next save or load ignores and removes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -27,6 +29,14 @@ _STEP_DIR = re.compile(r"^step_(\d{8})$")
 # non-strict about them, while dcp.load itself fails on any trainable key the checkpoint lacks.
 _OPTIONS = StateDictOptions(ignore_frozen_params=True)
 _LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
+@contextlib.contextmanager
+def _single_process_ok() -> Iterator[None]:
+    """DCP warns on every single-process save/load; one rank without a process group is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def latest(root: Path) -> Path | None:
@@ -72,7 +82,8 @@ def save(
         tmp.mkdir()
     dist.barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+    with _single_process_ok():
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp, no_dist=not dist.active)
     torch.save({**state, "rng": rng_state()}, tmp / f"state_rank{dist.rank}.pt")
     dist.barrier()
     if dist.is_main:
@@ -96,7 +107,8 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, dist: D
     """Restore parameters, optimizer and RNG from ``path``; return the saved counters and scheduler state."""
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
     target = {"model": model_sd, "optim": optim_sd}
-    dcp.load(target, checkpoint_id=path)
+    with _single_process_ok():
+        dcp.load(target, checkpoint_id=path, no_dist=not dist.active)
     set_state_dict(
         model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"], options=_LOAD_OPTIONS
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 
 import torch
@@ -32,6 +33,9 @@ def load_tokenizer(model_dir: Path):
 
 def _load_causal_lm(model_dir: Path, dtype: str, device: torch.device) -> nn.Module:
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # kdsweep's own bar and log lines say what happens
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype])
     model.config.use_cache = False  # training never decodes; a KV cache only costs memory
@@ -60,7 +64,10 @@ def load_student(model_dir: Path, cfg: StudentConfig, dtype: str, device: torch.
             task_type="CAUSAL_LM",
         )
         torch.manual_seed(seed)  # LoRA A matrices are random: same seed, same initial adapter
-        model = get_peft_model(model, lora)
+        with warnings.catch_warnings():
+            # peft still asks transformers for a renamed attribute; the warning is not the user's to act on
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            model = get_peft_model(model, lora)
     model.train()
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())

@@ -1,0 +1,98 @@
+"""`python -m kdsweep` end to end on the embedded default: outputs, exports that load, multirun."""
+
+import re
+
+import pytest
+import torch
+
+from conftest import QUIET, kdsweep, read_metrics, read_run
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory, zoo_dirs):
+    root = tmp_path_factory.mktemp("smoke")
+    run_dir = root / "run"
+    proc = kdsweep("train=smoke", *QUIET, f"hydra.run.dir={run_dir}", cwd=root)
+    return run_dir, proc
+
+
+def test_prints_before_after_and_where_outputs_are(smoke_run):
+    run_dir, proc = smoke_run
+    m = re.search(r"held-out CE: before ([\d.]+) -> after ([\d.]+)", proc.stdout)
+    assert m, proc.stdout
+    record = read_run(run_dir)
+    assert record["status"] == "completed"
+    assert float(m.group(2)) == pytest.approx(record["objective"], abs=1e-4)
+    assert float(m.group(1)) == pytest.approx(record["eval_before"]["student_ce"], abs=1e-4)
+    assert f"outputs: {run_dir}" in proc.stdout
+    assert record["config"]["loss"]["kd_ratio"] == 0.5 and record["overrides"][0] == "train=smoke"
+    assert record["environment"]["packages"]["torch"] and "git_sha" in record["environment"]
+    assert (run_dir / "kdsweep.log").read_text().count("held-out CE after") == 1
+
+
+def test_metrics_hold_every_step_and_eval(smoke_run):
+    run_dir, _ = smoke_run
+    rows = read_metrics(run_dir)
+    train = [r for r in rows if r["kind"] == "train"]
+    evals = [r for r in rows if r["kind"] == "eval"]
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in evals] == [0, 3, 6]
+    for r in train:
+        assert r["loss"] == pytest.approx(0.5 * r["ce"] + 0.5 * r["kd"], rel=1e-6)
+        assert r["tokens"] == 16 * 128 and r["tokens_per_s"] > 0 and r["grad_norm"] > 0 and r["lr"] > 0
+
+
+def _eval_ce(model, run_dir):
+    """Held-out CE of ``model`` on the run's own eval split, computed independently of kdsweep's loop."""
+    from transformers import AutoTokenizer
+
+    from kdsweep.data.text import load_corpus, tokenize_to_sequences
+
+    tok = AutoTokenizer.from_pretrained(run_dir / "final" / "merged")
+    seqs = tokenize_to_sequences(tok, load_corpus((), (), 0.05, 1234).eval, 128)
+    with torch.no_grad():
+        logits = model(input_ids=seqs[:, :-1]).logits
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), seqs[:, 1:].reshape(-1)).item(), logits
+
+
+def test_adapter_and_merged_model_load_and_match_the_trained_student(smoke_run, zoo_dirs):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    run_dir, _ = smoke_run
+    assert not (run_dir / "final" / "merged" / "adapter_config.json").exists()
+    base = AutoModelForCausalLM.from_pretrained(zoo_dirs["student"])
+    with_adapter = PeftModel.from_pretrained(base, run_dir / "final" / "adapter").eval()
+    merged = AutoModelForCausalLM.from_pretrained(run_dir / "final" / "merged").eval()
+    ce_adapter, logits_adapter = _eval_ce(with_adapter, run_dir)
+    ce_merged, logits_merged = _eval_ce(merged, run_dir)
+    assert torch.allclose(logits_adapter, logits_merged, atol=1e-4)
+    objective = read_run(run_dir)["objective"]
+    # The trained student's held-out CE, as the run measured it, is reproduced by both exports.
+    assert ce_adapter == pytest.approx(objective, abs=1e-5)
+    assert ce_merged == pytest.approx(objective, abs=1e-5)
+    untrained = AutoModelForCausalLM.from_pretrained(zoo_dirs["student"]).eval()
+    assert _eval_ce(untrained, run_dir)[0] == pytest.approx(read_run(run_dir)["eval_before"]["student_ce"], abs=1e-5)
+    assert objective < read_run(run_dir)["eval_before"]["student_ce"]
+
+
+def test_multirun_over_kd_ratio_runs_three_jobs(tmp_path, zoo_dirs):
+    sweep = tmp_path / "sweep"
+    proc = kdsweep("-m", "kd_ratio=0.0,0.5,1.0", "train=smoke", "train.max_steps=2", "checkpoint.export_merged=false",
+                   *QUIET, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert proc.stdout.count("held-out CE: before") == 3
+    records = [read_run(sweep / str(i)) for i in range(3)]
+    assert [r["config"]["loss"]["kd_ratio"] for r in records] == [0.0, 0.5, 1.0]
+    assert all(r["status"] == "completed" and isinstance(r["objective"], float) for r in records)
+    # kd_ratio changes training, so the three objectives differ
+    assert len({round(r["objective"], 6) for r in records}) == 3
+
+
+def test_full_fine_tune_with_lora_rank_zero(tmp_path, zoo_dirs):
+    run_dir = tmp_path / "full"
+    kdsweep("lora_rank=0", "lr=1e-3", "train=smoke", "train.max_steps=2", *QUIET, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    record = read_run(run_dir)
+    assert record["status"] == "completed" and record["config"]["model"]["lora_rank"] == 0
+    assert (run_dir / "final" / "merged" / "model.safetensors").exists() and not (run_dir / "final" / "adapter").exists()
