@@ -32,11 +32,7 @@ def conf_dir() -> str:
 def _fail(message: str, output_dir: str | None) -> None:
     """One line on stderr, exit code 2; remove the run directory if Hydra created it empty just now."""
     print(f"kdsweep: error: {message}", file=sys.stderr)
-    if output_dir:
-        try:
-            os.rmdir(output_dir)  # only succeeds when empty: never removes anything a run wrote
-        except OSError:
-            pass
+    _remove_if_empty(output_dir)
     raise SystemExit(2)
 
 
@@ -61,41 +57,95 @@ def validate(raw: dict[str, Any]) -> RunConfig:
     return cfg
 
 
-def _add_file_log(output_dir: str) -> None:
-    handler = logging.FileHandler(Path(output_dir) / "kdsweep.log")
+def _setup_rank_logging(output_dir: str, rank: int) -> None:
+    """Rank 0 logs to the console and ``kdsweep.log``; other ranks only to ``logs/rank<r>.log``."""
+    root = logging.getLogger()
+    if rank == 0:
+        path = Path(output_dir) / "kdsweep.log"
+    else:
+        path = Path(output_dir) / "logs" / f"rank{rank}.log"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for h in root.handlers:
+            if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+                h.setLevel(logging.ERROR)  # one console voice per job
+    handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
-    logging.getLogger().addHandler(handler)
+    root.addHandler(handler)
+
+
+def run_rank(run_cfg: RunConfig, raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """One rank of a job (all of it, for one rank): join the process group, train, return rank 0's summary."""
+    import dataclasses
+
+    from kdsweep.distributed import detect, device_for, process_group
+    from kdsweep.train import run
+
+    env = detect()
+    device = device_for(run_cfg.train.device, env)
+    with process_group(env, device, timeout_s=run_cfg.dist.timeout_s):
+        # Ranks started apart (torchrun) may have resolved ${now:...} to different directories: rank 0's wins.
+        output_dir = env.broadcast_object(run_cfg.output_dir)
+        if output_dir != run_cfg.output_dir:
+            _remove_if_empty(run_cfg.output_dir)
+            run_cfg = dataclasses.replace(run_cfg, output_dir=output_dir)
+            raw = {**raw, "output_dir": output_dir}
+        _setup_rank_logging(output_dir, env.rank)
+        result = run(run_cfg, dist=env, resolved_config=raw, overrides=overrides)
+    return {
+        "objective": result.objective, "status": result.status, "steps": result.steps,
+        "before": result.eval_before.student_ce, "after": result.eval_after.student_ce,
+        "teacher": result.eval_after.teacher_ce, "output_dir": result.output_dir, "exports": result.exports,
+        "rank": env.rank, "world_size": env.world_size,
+    }
+
+
+def _remove_if_empty(path: str | None) -> None:
+    if path:
+        try:
+            os.rmdir(path)  # only succeeds when empty: never removes anything a run wrote
+        except OSError:
+            pass
+
+
+def _launch(run_cfg: RunConfig, raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Run the job here (one rank, or this process's rank under torchrun/SLURM) or spawn its local ranks."""
+    from kdsweep.distributed import detect, device_for
+    from kdsweep.distributed.launch import check_local_launch, spawn
+
+    env = detect()
+    spawn_local = env.world_size == 1 and run_cfg.dist.nproc_per_node > 1
+    if spawn_local:
+        check_local_launch(run_cfg.dist, device_for(run_cfg.train.device, env))
+    run_cfg.check_world_size(run_cfg.dist.nproc_per_node if spawn_local else env.world_size)
+    if spawn_local:
+        return spawn(run_rank, (run_cfg, raw, overrides), run_cfg.dist)
+    return run_rank(run_cfg, raw, overrides)
 
 
 def task(cfg: DictConfig) -> float:
-    """One KD job; returns the held-out student CE (the objective)."""
+    """One KD job; returns the held-out student CE (the objective), the same on every rank."""
     from hydra.core.hydra_config import HydraConfig
 
     hc = HydraConfig.get()
     output_dir = hc.runtime.output_dir
+    overrides = list(hc.overrides.task)
     try:
         raw = _resolve(cfg)
         raw["output_dir"] = output_dir
-        run_cfg = validate(raw)
+        summary = _launch(validate(raw), raw, overrides)
     except ConfigError as e:
         _fail(str(e), output_dir)
-    _add_file_log(output_dir)
-
-    from kdsweep.train import run
-
-    try:
-        result = run(run_cfg, resolved_config=raw, overrides=list(hc.overrides.task))
-    except ConfigError as e:  # a problem only visible once the data is tokenized
-        _fail(str(e), None)
-    print(
-        f"held-out CE: before {result.eval_before.student_ce:.4f} -> after {result.eval_after.student_ce:.4f} "
-        f"(teacher {result.eval_after.teacher_ce:.4f}, {result.steps} steps, {result.status})\n"
-        f"outputs: {result.output_dir} (run.json, metrics.jsonl, kdsweep.log"
-        + "".join(f", {name}: {path}" for name, path in result.exports.items())
-        + ")",
-        flush=True,
-    )
-    return result.objective
+    if summary["rank"] == 0:
+        print(
+            f"held-out CE: before {summary['before']:.4f} -> after {summary['after']:.4f} "
+            f"(teacher {summary['teacher']:.4f}, {summary['steps']} steps, {summary['status']}, "
+            f"{summary['world_size']} rank{'s' if summary['world_size'] > 1 else ''})\n"
+            f"outputs: {summary['output_dir']} (run.json, metrics.jsonl, kdsweep.log"
+            + "".join(f", {name}: {path}" for name, path in summary["exports"].items())
+            + ")",
+            flush=True,
+        )
+    return summary["objective"]
 
 
 _hydra_main = hydra.main(version_base=None, config_path=conf_dir(), config_name="config")(task)

@@ -254,6 +254,37 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DistConfig:
+    """How many ranks a job has and how the models are sharded over them (FSDP2)."""
+
+    nproc_per_node: int = 1
+    """Local ranks to spawn for a job started by hand (torch's elastic launcher). Under torchrun or SLURM the
+    launcher decides the ranks and this is ignored."""
+    master_addr: str = "127.0.0.1"
+    """Rendezvous address of locally spawned ranks (torchrun and SLURM bring their own)."""
+    master_port: int = 0
+    """Rendezvous port of locally spawned ranks; 0 picks a free one."""
+    reshard_after_forward: bool = True
+    """Free gathered parameters after each forward (FSDP2 FULL_SHARD); false keeps them until backward (SHARD_GRAD_OP)."""
+    mixed_precision: bool = False
+    """FSDP2 mixed precision: bf16 compute and all-gathers, fp32 gradient reduction and master weights."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward instead of storing them."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in CPU memory (FSDP2 CPUOffloadPolicy)."""
+    compile: bool = False
+    """torch.compile each decoder layer (slow first step; pays off at real sizes on GPUs)."""
+    timeout_s: int = 600
+    """Collective timeout: a rank that waits this long for the others fails the job instead of hanging."""
+
+    def __post_init__(self) -> None:
+        _check(self.nproc_per_node >= 1, f"dist.nproc_per_node={self.nproc_per_node} must be >= 1")
+        _check(0 <= self.master_port < 65536, f"dist.master_port={self.master_port} must be in [0, 65535] (0 = any free port)")
+        _check(bool(self.master_addr), "dist.master_addr is empty; pass dist.master_addr=127.0.0.1 for local ranks")
+        _check(self.timeout_s > 0, f"dist.timeout_s={self.timeout_s} must be > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """One kdsweep job: what to distil into what, on which data, with which loss and schedule."""
 
@@ -267,11 +298,17 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
 
     def __post_init__(self) -> None:
         _check(bool(self.output_dir), "output_dir is empty; pass hydra.run.dir=<directory>")
 
-    @property
-    def grad_accum_steps(self) -> int:
-        """Micro-batches per optimizer step on one rank (single rank here)."""
-        return self.data.batch_size // self.data.micro_batch_size
+    def check_world_size(self, world_size: int) -> None:
+        """The global batch must split evenly into micro-batches on every rank."""
+        d = self.data
+        _check(
+            d.batch_size % (d.micro_batch_size * world_size) == 0,
+            f"data.batch_size={d.batch_size} does not split over {world_size} ranks × data.micro_batch_size="
+            f"{d.micro_batch_size}; make batch_size a multiple of {d.micro_batch_size * world_size} "
+            "(or lower micro_batch_size)",
+        )

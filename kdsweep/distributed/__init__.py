@@ -1,5 +1,5 @@
-"""Process environment (single process now; torchrun/SLURM ranks plug in here) and on-device reductions."""
+"""Process environment (single, torchrun, SLURM), process groups, FSDP2 sharding, on-device reductions."""
 
-from kdsweep.distributed.env import DistEnv, single_process
+from kdsweep.distributed.env import DistEnv, detect, device_for, process_group, single_process
 
-__all__ = ["DistEnv", "single_process"]
+__all__ = ["DistEnv", "detect", "device_for", "process_group", "single_process"]

@@ -15,10 +15,10 @@ from kdsweep.checkpoint import steps as checkpoints
 from kdsweep.config.schema import ConfigError, RunConfig
 from kdsweep.data.sampling import StepSampler
 from kdsweep.data.text import load_corpus, tokenize_to_sequences
-from kdsweep.distributed import DistEnv, single_process
+from kdsweep.distributed import DistEnv, device_for, single_process
 from kdsweep.metrics.records import RunRecord
 from kdsweep.metrics.sinks import JsonlSink, MetricLogger
-from kdsweep.models.load import load_student, load_teacher, load_tokenizer, resolve_dir
+from kdsweep.models.load import load_student, load_teacher, load_tokenizer, resolve_dir, unsharded_on_rank0
 from kdsweep.train import schedule
 from kdsweep.train.step import Batch, EvalResult, evaluate, train_step
 
@@ -52,18 +52,36 @@ class RunResult:
     exports: dict[str, str] = field(default_factory=dict)
 
 
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device=cuda but no CUDA device is visible; pass train.device=cpu or auto")
-    return torch.device(name)
-
-
 def _as_batches(seqs: torch.Tensor, device: torch.device) -> Batch:
     """Windows ``[B, T+1]`` → (inputs ``[B, T]``, labels ``[B, T]``)."""
     seqs = seqs.to(device)
     return seqs[:, :-1], seqs[:, 1:]
+
+
+def eval_batches_of_rank(
+    eval_seqs: torch.Tensor, batch_size: int, dist: DistEnv, device: torch.device, ignore_index: int
+) -> list[Batch]:
+    """This rank's share of the held-out windows, in batches.
+
+    Sharded models run collectives in every forward, so every rank must run the same number of forwards:
+    a rank whose share is shorter gets padding batches whose labels are all ignored (they add nothing).
+    """
+    share = eval_seqs.tensor_split(dist.world_size)[dist.rank]
+    longest = -(-len(eval_seqs) // dist.world_size)
+    batches = [_as_batches(chunk, device) for chunk in share.split(batch_size)]
+    pad = eval_seqs[:1].to(device)
+    while len(batches) < -(-longest // batch_size):
+        batches.append((pad[:, :-1], torch.full_like(pad[:, 1:], ignore_index)))
+    return batches
+
+
+def _warn_idle_knobs(cfg: RunConfig, dist: DistEnv) -> None:
+    """Sharding options only act when the models are sharded; say so instead of ignoring them silently."""
+    if dist.world_size == 1:
+        for knob in ("reshard_after_forward", "mixed_precision", "cpu_offload"):
+            value = getattr(cfg.dist, knob)
+            if value is not getattr(type(cfg.dist)(), knob):
+                log.warning("dist.%s=%s has no effect with one rank (nothing is sharded)", knob, value)
 
 
 def run(
@@ -102,7 +120,7 @@ def run(
 def _train(cfg: RunConfig, dist: DistEnv, reporter: Reporter, out: Path, record: RunRecord | None) -> RunResult:
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    device = _device(cfg.train.device)
+    device = device_for(cfg.train.device, dist)
     torch.manual_seed(cfg.train.seed)
     timings: dict[str, float] = {}
 
@@ -123,9 +141,10 @@ def _train(cfg: RunConfig, dist: DistEnv, reporter: Reporter, out: Path, record:
     timings["data_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
+    _warn_idle_knobs(cfg, dist)
     dtype = cfg.train.dtype
-    teacher = load_teacher(teacher_dir, dtype, device)
-    student = load_student(student_dir, cfg.model, dtype, device, cfg.train.seed)
+    teacher = load_teacher(teacher_dir, dtype, device, dist, cfg.dist)
+    student = load_student(student_dir, cfg.model, dtype, device, cfg.train.seed, dist, cfg.dist)
     timings["models_s"] = time.perf_counter() - t0
 
     o = cfg.optim
@@ -135,7 +154,7 @@ def _train(cfg: RunConfig, dist: DistEnv, reporter: Reporter, out: Path, record:
     )
     scheduler = schedule.build(optimizer, o, cfg.train.max_steps)
     sampler = StepSampler(len(train_seqs), d.batch_size, cfg.train.seed)
-    eval_batches = [_as_batches(chunk, device) for chunk in eval_seqs.split(d.eval_batch_size)]
+    eval_batches = eval_batches_of_rank(eval_seqs, d.eval_batch_size, dist, device, cfg.loss.ignore_index)
     evaluate_now = lambda: evaluate(student, teacher, eval_batches, ignore_index=cfg.loss.ignore_index, dist=dist)
 
     ckpt_root = out / "checkpoints"
@@ -190,7 +209,7 @@ def _train(cfg: RunConfig, dist: DistEnv, reporter: Reporter, out: Path, record:
         if step % cfg.train.eval_every == 0 and step < cfg.train.max_steps:
             ev = evaluate_now()
             metrics.log("eval", step, asdict(ev))
-            stop = reporter.report(step, ev.student_ce)
+            stop = dist.any(reporter.report(step, ev.student_ce))  # rank 0 decides (others hold a null reporter)
         if (cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0) or step == cfg.train.max_steps or stop:
             checkpoints.save(
                 ckpt_root, step, student, optimizer,
@@ -213,11 +232,14 @@ def _train(cfg: RunConfig, dist: DistEnv, reporter: Reporter, out: Path, record:
         step, eval_after.student_ce, eval_before.student_ce, eval_after.teacher_ce, eval_after.kl,
     )
     exports: dict[str, str] = {}
-    if dist.is_main and status == "completed":
-        exports = exporting.export(
-            student, tokenizer, out / "final",
-            adapter=cfg.checkpoint.export_adapter, merged=cfg.checkpoint.export_merged,
-        )
+    if status == "completed" and (cfg.checkpoint.export_adapter or cfg.checkpoint.export_merged):
+        full = unsharded_on_rank0(student, student_dir, cfg.model, dtype, cfg.train.seed, dist)
+        if full is not None:
+            exports = exporting.export(
+                full, tokenizer, out / "final",
+                adapter=cfg.checkpoint.export_adapter, merged=cfg.checkpoint.export_merged,
+            )
+        dist.barrier()
     return RunResult(
         objective=eval_after.student_ce, status=status, steps=step, eval_before=eval_before,
         eval_after=eval_after, output_dir=str(out), exports=exports,

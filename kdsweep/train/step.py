@@ -63,6 +63,8 @@ def train_step(
     params = [p for p in student.parameters() if p.requires_grad]
     # max_norm=inf measures the norm without clipping.
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
+    if hasattr(grad_norm, "full_tensor"):  # sharded parameters give a DTensor norm
+        grad_norm = grad_norm.full_tensor()
     lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
     scheduler.step()

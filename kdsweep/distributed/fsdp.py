@@ -1,0 +1,67 @@
+"""FSDP2 sharding of a Hugging Face causal LM (plain or peft-wrapped), and loading into the shards.
+
+Units: every decoder layer (the model's ``_no_split_modules``), the output projection on its own when it is
+not tied to the input embeddings (grouping it with the final norm crashed in backward with the HF forward),
+and the root for what is left. Weights are loaded by broadcasting rank 0's full state dict into the shards,
+so only rank 0 ever reads the files.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from kdsweep.config.schema import DistConfig
+
+
+def hf_model(model: nn.Module) -> nn.Module:
+    """The transformers model inside a peft wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    names = set(getattr(hf_model(model), "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"cannot find the decoder layers of {type(hf_model(model)).__name__} (no _no_split_modules)")
+    return layers
+
+
+def shard(model: nn.Module, cfg: DistConfig) -> nn.Module:
+    """Apply ``fully_shard`` per decoder layer, to an untied output projection, and at the root (in place)."""
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.mixed_precision else MixedPrecisionPolicy()
+    kw = {
+        "reshard_after_forward": cfg.reshard_after_forward,
+        "mp_policy": mp,
+        "offload_policy": CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),
+    }
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kw)
+    base = hf_model(model)
+    out, inp = base.get_output_embeddings(), base.get_input_embeddings()
+    if out is not None and out.weight is not inp.weight:
+        fully_shard(out, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def load_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor]) -> None:
+    """Fill a sharded (``to_empty``-ed) model from rank 0's full state dict; other ranks pass ``{}``."""
+    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+
+def gather_to_rank0(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full state dict on CPU at rank 0 (``{}`` elsewhere). A collective: every rank calls it."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def recompute_rotary(model: nn.Module) -> None:
+    """Rebuild rotary ``inv_freq`` buffers, which are not in any state dict and hold garbage after ``to_empty``."""
+    for module in model.modules():
+        if hasattr(module, "inv_freq") and hasattr(module, "config"):
+            fresh = type(module)(module.config)
+            for name in ("inv_freq", "original_inv_freq"):
+                if hasattr(module, name):
+                    getattr(module, name).copy_(getattr(fresh, name).to(getattr(module, name).device))
