@@ -110,12 +110,14 @@ def _remove_if_empty(path: str | None) -> None:
 def _launch(run_cfg: RunConfig, raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Run the job here (one rank, or this process's rank under torchrun/SLURM) or spawn its local ranks."""
     from kdsweep.distributed import detect, device_for
-    from kdsweep.distributed.launch import check_local_launch, spawn
+    from kdsweep.distributed.launch import check_local_launch, check_master_resolves, spawn
 
     env = detect()
     spawn_local = env.world_size == 1 and run_cfg.dist.nproc_per_node > 1
     if spawn_local:
         check_local_launch(run_cfg.dist, device_for(run_cfg.train.device, env))
+    elif env.world_size > 1:
+        check_master_resolves(env.master_addr)
     run_cfg.check_world_size(run_cfg.dist.nproc_per_node if spawn_local else env.world_size)
     if spawn_local:
         return spawn(run_rank, (run_cfg, raw, overrides), run_cfg.dist)

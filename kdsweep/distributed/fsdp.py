@@ -35,7 +35,8 @@ def shard(model: nn.Module, cfg: DistConfig) -> nn.Module:
     kw = {
         "reshard_after_forward": cfg.reshard_after_forward,
         "mp_policy": mp,
-        "offload_policy": CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),
+        # pinned host memory needs an accelerator; on a CPU-only machine offloading is a plain copy
+        "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cfg.cpu_offload else OffloadPolicy(),
     }
     for layer in decoder_layers(model):
         fully_shard(layer, **kw)

@@ -37,6 +37,17 @@ def check_local_launch(cfg: DistConfig, device: torch.device) -> None:
         ) from None
 
 
+def check_master_resolves(addr: str) -> None:
+    """Under torchrun or SLURM the launcher names the master; an unresolvable name would only time out later."""
+    try:
+        socket.getaddrinfo(addr, None)
+    except OSError as e:
+        raise ConfigError(
+            f"the master address {addr!r} (MASTER_ADDR / the job's first node) does not resolve ({e.strerror or e}); "
+            "fix MASTER_ADDR or the node list the launcher passes"
+        ) from None
+
+
 def _free_port(addr: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((addr, 0))

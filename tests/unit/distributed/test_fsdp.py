@@ -1,0 +1,58 @@
+"""Two gloo ranks: models are really sharded, loaded from rank 0, rotary buffers rebuilt, logits unchanged."""
+
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from helpers import save_hf_model, word_tokenizer
+from kdsweep.config import DistConfig, StudentConfig
+from kdsweep.distributed import detect
+from kdsweep.models.load import load_student, load_teacher, unsharded_on_rank0
+
+
+def _rank(rank: int, model_dir: str, init_file: str, out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        env = detect()
+        cfg = StudentConfig(path=model_dir, lora_rank=4, target_modules=("q_proj", "v_proj"))
+        student = load_student(model_dir, cfg, "fp32", torch.device("cpu"), seed=0, env=env, dist_cfg=DistConfig())
+        teacher = load_teacher(model_dir, "fp32", torch.device("cpu"), env, DistConfig())
+        from torch.distributed.tensor import DTensor
+
+        for name, p in list(student.named_parameters()) + list(teacher.named_parameters()):
+            assert isinstance(p, DTensor), name
+            assert p.to_local().numel() <= (p.numel() + 1) // 2 + p.shape[-1], name  # a half, not a copy
+        assert not any(p.requires_grad for p in teacher.parameters())
+        x = torch.arange(12).reshape(2, 6) % 20
+        with torch.no_grad():
+            logits = student(input_ids=x).logits
+        for m in student.modules():
+            if hasattr(m, "inv_freq"):
+                fresh = type(m)(m.config)
+                assert torch.equal(m.inv_freq, fresh.inv_freq)
+        full = unsharded_on_rank0(student, model_dir, cfg, "fp32", 0, env)
+        if rank == 0:
+            with torch.no_grad():
+                torch.save({"sharded": logits, "gathered": full(input_ids=x).logits}, os.path.join(out_dir, "logits.pt"))
+        else:
+            assert full is None
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_build_matches_a_plain_model(tmp_path):
+    model_dir = save_hf_model(tmp_path / "m", word_tokenizer(), hidden=32, layers=2)
+    init_file = tempfile.mktemp(dir=tmp_path)
+    mp.start_processes(_rank, args=(str(model_dir), init_file, str(tmp_path)), nprocs=2, start_method="fork")
+    got = torch.load(tmp_path / "logits.pt")
+    cfg = StudentConfig(path=str(model_dir), lora_rank=4, target_modules=("q_proj", "v_proj"))
+    plain = load_student(model_dir, cfg, "fp32", torch.device("cpu"), seed=0)
+    x = torch.arange(12).reshape(2, 6) % 20
+    with torch.no_grad():
+        ref = plain(input_ids=x).logits
+    assert torch.allclose(got["sharded"], ref, atol=1e-5)
+    assert torch.allclose(got["gathered"], ref, atol=1e-5)
