@@ -78,10 +78,12 @@ def run_rank(run_cfg: RunConfig, raw: dict[str, Any], overrides: list[str]) -> d
     import dataclasses
 
     from kdsweep.distributed import detect, device_for, process_group
+    from kdsweep.distributed.signals import PreemptionWatch
     from kdsweep.train import run
 
     env = detect()
     device = device_for(run_cfg.train.device, env)
+    watch = PreemptionWatch()
     with process_group(env, device, timeout_s=run_cfg.dist.timeout_s):
         # Ranks started apart (torchrun) may have resolved ${now:...} to different directories: rank 0's wins.
         output_dir = env.broadcast_object(run_cfg.output_dir)
@@ -90,11 +92,16 @@ def run_rank(run_cfg: RunConfig, raw: dict[str, Any], overrides: list[str]) -> d
             run_cfg = dataclasses.replace(run_cfg, output_dir=output_dir)
             raw = {**raw, "output_dir": output_dir}
         _setup_rank_logging(output_dir, env.rank)
-        result = run(run_cfg, dist=env, resolved_config=raw, overrides=overrides)
+        result = run(run_cfg, dist=env, preemption=watch, resolved_config=raw, overrides=overrides)
+    if result.status == "preempted":
+        watch.handover(env.rank)  # under submitit, rank 0 requeues the job and exits here
+    else:
+        watch.restore()
     return {
         "objective": result.objective, "status": result.status, "steps": result.steps,
-        "before": result.eval_before.student_ce, "after": result.eval_after.student_ce,
-        "teacher": result.eval_after.teacher_ce, "output_dir": result.output_dir, "exports": result.exports,
+        "before": result.eval_before.student_ce, "output_dir": result.output_dir, "exports": result.exports,
+        "after": result.eval_after.student_ce if result.eval_after else float("nan"),
+        "teacher": result.eval_after.teacher_ce if result.eval_after else float("nan"),
         "rank": env.rank, "world_size": env.world_size,
     }
 
@@ -137,6 +144,11 @@ def task(cfg: DictConfig) -> float:
         summary = _launch(validate(raw), raw, overrides)
     except ConfigError as e:
         _fail(str(e), output_dir)
+    except Exception:
+        # Hydra's multirun would record the failure and return normally, so SLURM would show the job as
+        # COMPLETED: leave with a non-zero status instead (the traceback goes to the log first).
+        log.exception("the job failed")
+        raise SystemExit(1) from None
     if summary["rank"] == 0:
         print(
             f"held-out CE: before {summary['before']:.4f} -> after {summary['after']:.4f} "

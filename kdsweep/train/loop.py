@@ -31,6 +31,12 @@ class Reporter(Protocol):
     def report(self, step: int, value: float) -> bool: ...
 
 
+class Preemption(Protocol):
+    """Set by a signal handler when the job is about to be preempted; the loop then checkpoints and stops."""
+
+    requested: bool
+
+
 class _NullReporter:
     def report(self, step: int, value: float) -> bool:
         return False
@@ -44,10 +50,11 @@ class RunResult:
     objective: float
     """Held-out student CE after training (lower is better)."""
     status: str
-    """completed, or pruned when the reporter asked to stop."""
+    """completed; pruned when the reporter asked to stop; preempted when a checkpoint was written at a signal."""
     steps: int
     eval_before: EvalResult
-    eval_after: EvalResult
+    eval_after: EvalResult | None
+    """None when the run stopped for preemption (it has no final evaluation yet)."""
     output_dir: str
     exports: dict[str, str] = field(default_factory=dict)
 
@@ -88,6 +95,7 @@ def run(
     cfg: RunConfig,
     *,
     reporter: Reporter = NULL_REPORTER,
+    preemption: Preemption | None = None,
     dist: DistEnv | None = None,
     resolved_config: dict[str, Any] | None = None,
     overrides: list[str] | None = None,
@@ -96,10 +104,13 @@ def run(
     dist = dist or single_process()
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    record = RunRecord(out / "run.json", resolved_config or asdict(cfg), overrides or []) if dist.is_main else None
+    record = (
+        RunRecord(out / "run.json", resolved_config or asdict(cfg), overrides or [], world_size=dist.world_size)
+        if dist.is_main else None
+    )
     started = time.time()
     try:
-        result = _train(cfg, dist, reporter, out, record)
+        result = _train(cfg, dist, reporter, preemption, out, record)
     except BaseException as e:
         if record is not None:
             record.update(status="failed", error=f"{type(e).__name__}: {e}", wall_seconds=time.time() - started)
@@ -110,14 +121,17 @@ def run(
             objective=result.objective,
             steps=result.steps,
             eval_before=asdict(result.eval_before),
-            eval_after=asdict(result.eval_after),
+            eval_after=asdict(result.eval_after) if result.eval_after else None,
             exports=result.exports,
             wall_seconds=time.time() - started,
         )
     return result
 
 
-def _train(cfg: RunConfig, dist: DistEnv, reporter: Reporter, out: Path, record: RunRecord | None) -> RunResult:
+def _train(
+    cfg: RunConfig, dist: DistEnv, reporter: Reporter, preemption: Preemption | None, out: Path,
+    record: RunRecord | None,
+) -> RunResult:
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     device = device_for(cfg.train.device, dist)
@@ -205,22 +219,30 @@ def _train(cfg: RunConfig, dist: DistEnv, reporter: Reporter, out: Path, record:
                 "tokens_per_s_per_rank": tokens_per_step_local / elapsed,
                 "step_s": elapsed,
             })
-        stop = False
+        pruned = False
         if step % cfg.train.eval_every == 0 and step < cfg.train.max_steps:
             ev = evaluate_now()
             metrics.log("eval", step, asdict(ev))
-            stop = dist.any(reporter.report(step, ev.student_ce))  # rank 0 decides (others hold a null reporter)
-        if (cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0) or step == cfg.train.max_steps or stop:
+            pruned = dist.any(reporter.report(step, ev.student_ce))  # rank 0 decides (others hold a null reporter)
+        preempted = dist.any(preemption is not None and preemption.requested)  # signals may reach ranks apart
+        periodic = cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0
+        if periodic or step == cfg.train.max_steps or pruned or preempted:
             checkpoints.save(
                 ckpt_root, step, student, optimizer,
                 {"step": step, "scheduler": scheduler.state_dict(), "eval_before": asdict(eval_before)},
                 dist, cfg.checkpoint.keep_last,
             )
-        if stop:
-            status = "pruned"
-            log.info("the sweep pruned this trial at step %d", step)
+        if pruned or preempted:
+            status = "pruned" if pruned else "preempted"
+            log.info("%s at step %d (checkpoint written)", status, step)
             break
     bar.close()
+    if status == "preempted":
+        metrics.close()
+        return RunResult(
+            objective=float("nan"), status=status, steps=step, eval_before=eval_before, eval_after=None,
+            output_dir=str(out),
+        )
 
     eval_after = evaluate_now()
     metrics.log("eval", step, asdict(eval_after))

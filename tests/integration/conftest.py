@@ -34,3 +34,22 @@ def zoo_dirs():
     from kdsweep.models import zoo
 
     return {"teacher": zoo.model_dir("tiny-teacher"), "student": zoo.model_dir("tiny-student")}
+
+
+REPO = Path(__file__).resolve().parents[2]
+SLURM_ROOT = Path(os.environ.get("KDSWEEP_SLURM_ROOT", "/tmp/kdsweep-slurm"))
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """The real one-machine SLURM cluster of launchers/slurm, up (idempotently) for every test that asks."""
+    up = subprocess.run(["bash", str(REPO / "launchers/slurm/up.sh")], capture_output=True, text=True, timeout=600)
+    assert up.returncode == 0, f"up.sh failed:\n{up.stdout}\n{up.stderr}"
+    # SLURM_CONF and PATH (the sacct shim first) from env.sh, for this process and so for submitit's calls.
+    env = subprocess.run(["bash", "-c", 'source "$1" && printf "%s\\n%s" "$SLURM_CONF" "$PATH"', "_",
+                          str(SLURM_ROOT / "env.sh")], capture_output=True, text=True, check=True).stdout
+    conf, path = env.split("\n", 1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SLURM_CONF", conf)
+        mp.setenv("PATH", path)
+        yield SLURM_ROOT

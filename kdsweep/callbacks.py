@@ -1,0 +1,45 @@
+"""Hydra callbacks: after a multirun, one table of every job's objective (read from the jobs' run.json)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+
+def slurm_job_name(slurm: dict[str, str]) -> str | None:
+    """``ARRAY_TASK`` for array jobs (what squeue and sacct show), else the job id."""
+    if "array_job_id" in slurm and "array_task_id" in slurm:
+        return f"{slurm['array_job_id']}_{slurm['array_task_id']}"
+    return slurm.get("job_id")
+
+
+def summarize(sweep_dir: Path) -> list[dict[str, Any]]:
+    """One row per job directory of a sweep (subdirectories holding a run.json), in job order."""
+    rows = []
+    for record in sorted(sweep_dir.glob("*/run.json"), key=lambda p: (len(p.parent.name), p.parent.name)):
+        run = json.loads(record.read_text())
+        slurm = (run.get("environment") or {}).get("slurm") or {}
+        rows.append({
+            "job": record.parent.name, "status": run.get("status"), "objective": run.get("objective"),
+            "overrides": " ".join(run.get("overrides", [])), "slurm_job": slurm_job_name(slurm),
+            "world_size": run.get("world_size"),
+        })
+    return rows
+
+
+class SweepSummary(Callback):
+    """Print the objectives of a finished multirun, whichever launcher ran the jobs."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        rows = summarize(Path(str(config.hydra.sweep.dir)))
+        if not rows:
+            return
+        print(f"sweep {config.hydra.sweep.dir}: {len(rows)} jobs (objective: held-out student CE, lower is better)")
+        for r in rows:
+            objective = f"{r['objective']:.4f}" if isinstance(r["objective"], float) else "-"
+            where = f" slurm {r['slurm_job']}" if r["slurm_job"] else ""
+            print(f"  job {r['job']}: objective {objective}  {r['status']}  ranks {r['world_size']}{where}  {r['overrides']}")

@@ -1,0 +1,98 @@
+"""kdsweep on the real local SLURM cluster: 2-rank FSDP jobs per sweep point, FAILED jobs, preemption + requeue."""
+
+import json
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import QUIET, kdsweep, read_metrics, read_run
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
+SLURM = ["hydra/launcher=submitit_slurm", "cluster=local_cpu"]
+
+
+def sacct_states(array_job: str) -> dict[str, str]:
+    out = subprocess.run(["sacct", "-o", "JobID,State,NodeList", "--parsable2", "-j", array_job],
+                         capture_output=True, text=True, check=True).stdout
+    return {line.split("|")[0]: line.split("|")[1] for line in out.splitlines()[1:] if line}
+
+
+def wait_for_states(array_job: str, done: set[str], timeout: float = 90) -> dict[str, str]:
+    deadline = time.time() + timeout
+    while True:
+        states = sacct_states(array_job)
+        if states and all(s in done for s in states.values()) or time.time() > deadline:
+            return states
+        time.sleep(1)
+
+
+def array_job_of(sweep_dir) -> str:
+    (job,) = {p.name.split("_")[0] for p in (sweep_dir / ".submitit").iterdir() if p.is_dir()}
+    return job
+
+
+def test_grid_runs_one_two_rank_fsdp_job_per_point(tmp_path, zoo_dirs):
+    sweep = tmp_path / "sweep"
+    proc = kdsweep("-m", "kd_ratio=0.3,0.5,0.7", *SLURM, "train=smoke", *QUIET, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    table = re.findall(r"job (\d): objective ([\d.]+)\s+completed\s+ranks 2 slurm (\S+)", proc.stdout)
+    assert [j for j, _, _ in table] == ["0", "1", "2"], proc.stdout
+    records = [read_run(sweep / str(i)) for i in range(3)]
+    assert [r["config"]["loss"]["kd_ratio"] for r in records] == [0.3, 0.5, 0.7]
+    assert all(r["world_size"] == 2 and r["status"] == "completed" for r in records)
+    assert [float(o) for _, o, _ in table] == pytest.approx([r["objective"] for r in records], abs=1e-4)
+    # each job really was 2 SLURM tasks, each a rank with its own log
+    assert all((sweep / str(i) / "logs" / "rank1.log").exists() for i in range(3))
+    array_job = array_job_of(sweep)
+    states = wait_for_states(array_job, {"COMPLETED"})
+    assert sorted(states) == [f"{array_job}_{i}" for i in range(3)] and set(states.values()) == {"COMPLETED"}, states
+
+    # the SLURM 2-rank result is the local 1-rank result of the same point
+    local = tmp_path / "local"
+    kdsweep("kd_ratio=0.5", "train=smoke", *QUIET, f"hydra.run.dir={local}", cwd=tmp_path)
+    assert records[1]["objective"] == pytest.approx(read_run(local)["objective"], abs=1e-5)
+
+
+def test_a_failing_job_shows_failed(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = kdsweep("-m", "kd_ratio=0.5", *SLURM, "train.device=cuda", *QUIET, f"hydra.sweep.dir={sweep}",
+                   cwd=tmp_path, check=False)
+    assert proc.returncode != 0
+    assert "train.device=cuda but no CUDA device" in proc.stdout + proc.stderr  # the job's one line reaches the user
+    states = wait_for_states(array_job_of(sweep), {"FAILED", "COMPLETED"})
+    assert set(states.values()) == {"FAILED"}, states
+
+
+PREEMPT = ["kd_ratio=0.5", "train.max_steps=24", "train.eval_every=8", "checkpoint.save_every=1000",
+           "checkpoint.export_merged=false", *QUIET]
+
+
+def test_preempted_job_checkpoints_at_the_signal_requeues_and_resumes(tmp_path, zoo_dirs):
+    sweep = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "kdsweep", "-m", *PREEMPT, *SLURM, f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = sweep / "0" / "metrics.jsonl"
+    deadline = time.time() + 180
+    while not (metrics.exists() and any(r.get("step", 0) >= 5 for r in map(json.loads, metrics.read_text().splitlines()))):
+        assert time.time() < deadline and proc.poll() is None, "the job did not reach step 5"
+        time.sleep(0.2)
+    array_job = array_job_of(sweep)
+    # what SLURM sends before preemption or the time limit (submitit asks for USR2)
+    subprocess.run(["scancel", "--signal=USR2", array_job], check=True)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+
+    record = read_run(sweep / "0")
+    assert record["status"] == "completed" and record["attempts"] == 2
+    assert [a["restart_count"] for a in record["slurm_attempts"]] == ["0", "1"]
+    signal_step = record["start_step"]
+    assert 5 <= signal_step < 24  # resumed from the checkpoint written at the signal, not from the start
+    logs = "".join(p.read_text() for p in (sweep / ".submitit").glob("*/*_0_log.err"))
+    assert f"preempted at step {signal_step} (checkpoint written)" in logs and "Requeued job" in logs
+    assert [r["step"] for r in read_metrics(sweep / "0") if r["kind"] == "train"] == list(range(1, 25))
+
+    reference = tmp_path / "reference"
+    kdsweep(*PREEMPT, f"hydra.run.dir={reference}", cwd=tmp_path)
+    assert record["objective"] == pytest.approx(read_run(reference)["objective"], abs=1e-5)
