@@ -56,6 +56,15 @@ class DistEnv:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 
+    def gather_floats(self, value: float) -> list[float]:
+        """Every rank's ``value``, in rank order, on every rank."""
+        if not self.active:
+            return [value]
+        t = torch.tensor([value], dtype=torch.float64, device=_collective_device())
+        out = [torch.zeros_like(t) for _ in range(self.world_size)]
+        dist.all_gather(out, t)
+        return [x.item() for x in out]
+
     def broadcast_object(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank."""
         if not self.active:

@@ -66,8 +66,8 @@ def spawn(fn: Callable[..., Any], args: tuple, cfg: DistConfig) -> Any:
         min_nodes=1, max_nodes=1, nproc_per_node=cfg.nproc_per_node, run_id=f"kdsweep-{uuid.uuid4().hex[:8]}",
         rdzv_backend="static", rdzv_endpoint=f"{cfg.master_addr}:{port}", rdzv_configs={"rank": 0},
         max_restarts=0, monitor_interval=0.1,
-        # fork: the workers inherit the already imported torch/transformers (seconds saved per job); no
-        # process group or accelerator context exists in the parent yet.
-        start_method="fork",
+        # spawn, not fork: in a multirun this process may already have trained a job, and a fork after OpenMP
+        # kernels ran can deadlock the child's first matmul. Costs each rank its imports (seconds).
+        start_method="spawn",
     )
     return elastic_launch(launch, fn)(*args)[0]

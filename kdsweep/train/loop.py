@@ -65,6 +65,15 @@ def _as_batches(seqs: torch.Tensor, device: torch.device) -> Batch:
     return seqs[:, :-1], seqs[:, 1:]
 
 
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of this rank so far: allocated device memory on GPUs, the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
 def eval_batches_of_rank(
     eval_seqs: torch.Tensor, batch_size: int, dist: DistEnv, device: torch.device, ignore_index: int
 ) -> list[Batch]:
@@ -213,11 +222,14 @@ def _train(
         bar.update(1)
         bar.set_postfix(loss=f"{stats.loss:.4f}", ce=f"{stats.ce:.4f}", kd=f"{stats.kd:.4f}")
         if step % cfg.train.log_every == 0:
+            peaks = dist.gather_floats(peak_memory_mb(device))
             metrics.log("train", step, {
                 **asdict(stats),
                 "tokens_per_s": tokens_per_step_local * dist.world_size / elapsed,
                 "tokens_per_s_per_rank": tokens_per_step_local / elapsed,
                 "step_s": elapsed,
+                "peak_mem_mb": max(peaks),
+                "peak_mem_mb_per_rank": peaks,
             })
         pruned = False
         if step % cfg.train.eval_every == 0 and step < cfg.train.max_steps:

@@ -137,3 +137,15 @@ def test_unresolvable_master_under_torchrun_is_one_line(tmp_path):
                           env=env, capture_output=True, text=True, timeout=120)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and "no-such-host.invalid" in lines[0], proc.stderr
+
+
+def test_multirun_of_one_then_two_ranks_in_one_process(tmp_path, zoo_dirs):
+    """The second job's ranks start after this process trained the first job itself (no fork deadlock)."""
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run([sys.executable, "-m", "kdsweep", "-m", "dist.nproc_per_node=1,2", "train=smoke",
+                           "train.max_steps=2", *QUIET, f"hydra.sweep.dir={sweep}"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two = read_run(sweep / "0"), read_run(sweep / "1")
+    assert (one["world_size"], two["world_size"]) == (1, 2)
+    assert two["objective"] == pytest.approx(one["objective"], abs=1e-5)

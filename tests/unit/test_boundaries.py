@@ -21,6 +21,8 @@ def imported_after(statement: str) -> set[str]:
         ("kdsweep.data.check", {"torch", "hydra", "omegaconf"}),
         ("kdsweep.app", {"torch", "transformers", "peft"}),
         ("kdsweep.train", {"hydra", "omegaconf", "submitit", "optuna"}),
+        ("kdsweep.distributed.launch", {"hydra", "omegaconf", "submitit", "optuna"}),
+        ("kdsweep.distributed.signals", {"torch", "hydra", "submitit"}),
         ("kdsweep.losses", {"hydra", "omegaconf", "transformers", "peft", "kdsweep.config"}),
     ],
 )

@@ -47,7 +47,8 @@ def _rank(rank: int, model_dir: str, init_file: str, out_dir: str) -> None:
 def test_sharded_build_matches_a_plain_model(tmp_path):
     model_dir = save_hf_model(tmp_path / "m", word_tokenizer(), hidden=32, layers=2)
     init_file = tempfile.mktemp(dir=tmp_path)
-    mp.start_processes(_rank, args=(str(model_dir), init_file, str(tmp_path)), nprocs=2, start_method="fork")
+    # spawn, not fork: a fork after this process ran OpenMP kernels can deadlock in the first matmul
+    mp.start_processes(_rank, args=(str(model_dir), init_file, str(tmp_path)), nprocs=2, start_method="spawn")
     got = torch.load(tmp_path / "logits.pt")
     cfg = StudentConfig(path=str(model_dir), lora_rank=4, target_modules=("q_proj", "v_proj"))
     plain = load_student(model_dir, cfg, "fp32", torch.device("cpu"), seed=0)
