@@ -1,6 +1,6 @@
-"""``python -m kdsweep [overrides]``: one KD job (or ``-m`` for a sweep)."""
+"""``python -m kdsweep [overrides]``: one KD job (``-m`` for a sweep); ``status`` / ``resume`` for sweeps."""
 
-from kdsweep.app import main
+from kdsweep.cli import main
 
 if __name__ == "__main__":
     main()

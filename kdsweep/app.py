@@ -29,14 +29,14 @@ def conf_dir() -> str:
     return str(packaged if packaged.is_dir() else here.parent / "conf")
 
 
-def _fail(message: str, output_dir: str | None) -> None:
+def fail(message: str, output_dir: str | None) -> None:
     """One line on stderr, exit code 2; remove the run directory if Hydra created it empty just now."""
     print(f"kdsweep: error: {message}", file=sys.stderr)
     _remove_if_empty(output_dir)
     raise SystemExit(2)
 
 
-def _resolve(cfg: DictConfig) -> dict[str, Any]:
+def resolve(cfg: DictConfig) -> dict[str, Any]:
     try:
         return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except MissingMandatoryValue as e:
@@ -58,18 +58,28 @@ def validate(raw: dict[str, Any]) -> RunConfig:
 
 
 def _setup_rank_logging(output_dir: str, rank: int) -> None:
-    """Rank 0 logs to the console and ``kdsweep.log``; other ranks only to ``logs/rank<r>.log``."""
+    """Rank 0 logs to the console and ``kdsweep.log``; other ranks only to ``logs/rank<r>.log``.
+
+    Spawned ranks start with a bare logging module (Hydra configured only the launching process), so the
+    level and rank 0's console handler are set here too.
+    """
     root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    consoles = [h for h in root.handlers if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)]
+    fmt = logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     if rank == 0:
         path = Path(output_dir) / "kdsweep.log"
+        if not consoles:
+            console = logging.StreamHandler(sys.stderr)
+            console.setFormatter(fmt)
+            root.addHandler(console)
     else:
         path = Path(output_dir) / "logs" / f"rank{rank}.log"
         path.parent.mkdir(parents=True, exist_ok=True)
-        for h in root.handlers:
-            if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
-                h.setLevel(logging.ERROR)  # one console voice per job
+        for h in consoles:
+            h.setLevel(logging.ERROR)  # one console voice per job
     handler = logging.FileHandler(path)
-    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+    handler.setFormatter(fmt)
     root.addHandler(handler)
 
 
@@ -79,12 +89,17 @@ def run_rank(run_cfg: RunConfig, raw: dict[str, Any], overrides: list[str]) -> d
 
     from kdsweep.distributed import detect, device_for, process_group
     from kdsweep.distributed.signals import PreemptionWatch
-    from kdsweep.train import run
+    from kdsweep.train import NULL_REPORTER, run
 
     env = detect()
     device = device_for(run_cfg.train.device, env)
     watch = PreemptionWatch()
     with process_group(env, device, timeout_s=run_cfg.dist.timeout_s):
+        reporter = NULL_REPORTER
+        if run_cfg.trial.sweep_dir and env.is_main:  # rank 0 talks to the study; the loop shares its decision
+            from kdsweep.sweep.handle import TrialHandle
+
+            reporter = TrialHandle(run_cfg.trial.sweep_dir, run_cfg.trial.number)
         # Ranks started apart (torchrun) may have resolved ${now:...} to different directories: rank 0's wins.
         output_dir = env.broadcast_object(run_cfg.output_dir)
         if output_dir != run_cfg.output_dir:
@@ -92,7 +107,7 @@ def run_rank(run_cfg: RunConfig, raw: dict[str, Any], overrides: list[str]) -> d
             run_cfg = dataclasses.replace(run_cfg, output_dir=output_dir)
             raw = {**raw, "output_dir": output_dir}
         _setup_rank_logging(output_dir, env.rank)
-        result = run(run_cfg, dist=env, preemption=watch, resolved_config=raw, overrides=overrides)
+        result = run(run_cfg, dist=env, reporter=reporter, preemption=watch, resolved_config=raw, overrides=overrides)
     if result.status == "preempted":
         watch.handover(env.rank)  # under submitit, rank 0 requeues the job and exits here
     else:
@@ -139,11 +154,11 @@ def task(cfg: DictConfig) -> float:
     output_dir = hc.runtime.output_dir
     overrides = list(hc.overrides.task)
     try:
-        raw = _resolve(cfg)
+        raw = resolve(cfg)
         raw["output_dir"] = output_dir
         summary = _launch(validate(raw), raw, overrides)
     except ConfigError as e:
-        _fail(str(e), output_dir)
+        fail(str(e), output_dir)
     except Exception:
         # Hydra's multirun would record the failure and return normally, so SLURM would show the job as
         # COMPLETED: leave with a non-zero status instead (the traceback goes to the log first).
@@ -183,7 +198,7 @@ def _check_command_line(args: list[str]) -> None:
         try:
             check_key(key, groups)
         except ConfigError as e:
-            _fail(str(e), None)
+            fail(str(e), None)
 
 
 def main() -> None:

@@ -35,7 +35,10 @@ class SweepSummary(Callback):
     """Print the objectives of a finished multirun, whichever launcher ran the jobs."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        rows = summarize(Path(str(config.hydra.sweep.dir)))
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        if (sweep_dir / "sweep.json").exists():
+            return  # kdsweep's own sweeper has printed its table of trials
+        rows = summarize(sweep_dir)
         if not rows:
             return
         print(f"sweep {config.hydra.sweep.dir}: {len(rows)} jobs (objective: held-out student CE, lower is better)")

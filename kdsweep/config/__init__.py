@@ -13,6 +13,7 @@ from kdsweep.config.schema import (
     StudentConfig,
     TeacherConfig,
     TrainConfig,
+    TrialConfig,
 )
 
 __all__ = [
@@ -28,5 +29,6 @@ __all__ = [
     "StudentConfig",
     "TeacherConfig",
     "TrainConfig",
+    "TrialConfig",
     "to_run_config",
 ]

@@ -285,6 +285,19 @@ class DistConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TrialConfig:
+    """Set by the sweep controller on the jobs it starts; empty for a plain run."""
+
+    sweep_dir: str = ""
+    """The sweep this job is a trial of (its sweep.json names the study and the pruner)."""
+    number: int = -1
+    """The Optuna trial number."""
+
+    def __post_init__(self) -> None:
+        _check(not self.sweep_dir or self.number >= 0, f"trial.number={self.number} must be >= 0 when trial.sweep_dir is set")
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """One kdsweep job: what to distil into what, on which data, with which loss and schedule."""
 
@@ -299,6 +312,7 @@ class RunConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    trial: TrialConfig = field(default_factory=TrialConfig)
 
     def __post_init__(self) -> None:
         _check(bool(self.output_dir), "output_dir is empty; pass hydra.run.dir=<directory>")

@@ -25,7 +25,7 @@ def convert(overrides):
 
 
 def test_every_group_has_options():
-    assert set(GROUPS) == {"model", "teacher", "data", "loss", "optim", "train", "logger", "checkpoint", "dist", "cluster"}
+    assert set(GROUPS) == {"model", "teacher", "data", "loss", "optim", "train", "logger", "checkpoint", "dist", "cluster", "hparams_search"}
     assert all(sum(1 for g, _ in OPTIONS if g == group) >= 2 for group in GROUPS)
 
 
@@ -49,12 +49,12 @@ def test_sweep_knobs_reach_their_sections():
 
 
 def test_text_files_without_files_is_refused_by_the_app_resolver():
-    from kdsweep.app import _resolve
+    from kdsweep.app import resolve
 
     with initialize_config_dir(config_dir=conf_dir(), version_base=None):
         cfg = compose(config_name="config", overrides=["data=text_files"])
     with pytest.raises(ConfigError, match=r"data.train_files is required"):
-        _resolve(cfg)
+        resolve(cfg)
 
 
 @pytest.mark.parametrize(

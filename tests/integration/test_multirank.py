@@ -77,8 +77,9 @@ def test_torchrun_ranks_agree_on_the_output_dir(tmp_path, zoo_dirs):
 
 
 def _worker_pids(parent_pid):
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(parent_pid)], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
+    """The rank processes the launcher spawned (not multiprocessing's resource tracker)."""
+    out = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(parent_pid)], capture_output=True, text=True).stdout
+    return [int(line.split()[0]) for line in out.splitlines() if "spawn_main" in line]
 
 
 def test_kill_9_of_one_rank_then_rerun_resumes(one_rank, tmp_path):

@@ -22,7 +22,8 @@ def imported_after(statement: str) -> set[str]:
         ("kdsweep.app", {"torch", "transformers", "peft"}),
         ("kdsweep.train", {"hydra", "omegaconf", "submitit", "optuna"}),
         ("kdsweep.distributed.launch", {"hydra", "omegaconf", "submitit", "optuna"}),
-        ("kdsweep.distributed.signals", {"torch", "hydra", "submitit"}),
+        ("kdsweep.distributed.signals", {"hydra", "omegaconf", "submitit", "optuna"}),
+        ("kdsweep.sweep.space", {"torch", "optuna"}),
         ("kdsweep.losses", {"hydra", "omegaconf", "transformers", "peft", "kdsweep.config"}),
     ],
 )

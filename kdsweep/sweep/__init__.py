@@ -1,0 +1,1 @@
+"""Optuna: search spaces, storages, the async controller, the in-job trial handle."""

@@ -1,0 +1,206 @@
+"""The async sweep controller: keep ``max_concurrent`` trials running, refill a slot the moment it frees.
+
+The controller is the single writer of trial states (ask/tell); jobs only report intermediate values. A trial
+that fails is recorded FAIL with its reason and the sweep goes on; a trial whose process was killed is
+restarted in its own directory (it resumes from its checkpoint) up to ``retries`` times. Every change is
+written to the manifest first, so a controller killed at any point is resumed by rerunning the same command.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from kdsweep.sweep.manifest import FINAL, STORAGE_ENV, Manifest
+from kdsweep.sweep.space import Param
+from kdsweep.sweep.study import SweepSettings, make_pruner, make_sampler, make_storage, storage_url
+
+log = logging.getLogger(__name__)
+
+
+class Backend(Protocol):
+    """Where trial jobs run."""
+
+    def start(self, args: list[str], run_dir: Path) -> dict[str, Any]:
+        """Start ``python -m kdsweep ARGS``; return what identifies the job (saved in the manifest)."""
+
+    def poll(self, job: dict[str, Any]) -> int | None | str:
+        """None while running; else the exit code, or "gone" for a job that vanished (exit code unknown)."""
+
+
+class LocalProcesses:
+    """Trials as local processes (``hydra/launcher=basic``); each job may spawn its own ranks."""
+
+    def __init__(self, max_concurrent: int) -> None:
+        self._procs: dict[int, subprocess.Popen] = {}
+        # Concurrent trials share the machine's cores: without a cap each would start a thread per core, and
+        # oversubscribed OpenMP threads spin against each other (seen here: 2-step trials taking 10x longer).
+        self._env = dict(os.environ)
+        self._env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // max_concurrent)))
+
+    def start(self, args: list[str], run_dir: Path) -> dict[str, Any]:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with open(run_dir / "job.log", "ab") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "kdsweep", *args], stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True, env={**self._env, STORAGE_ENV: os.environ[STORAGE_ENV]})
+        self._procs[proc.pid] = proc
+        return {"pid": proc.pid}
+
+    def poll(self, job: dict[str, Any]) -> int | None | str:
+        proc = self._procs.get(job["pid"])
+        if proc is not None:
+            return proc.poll()
+        # A job started by an earlier controller (resume): not our child, so only liveness can be seen.
+        try:
+            with open(f"/proc/{job['pid']}/stat") as f:
+                return "gone" if f.read().rsplit(")", 1)[1].split()[0] == "Z" else None
+        except FileNotFoundError:
+            return "gone"
+
+
+@dataclass
+class Outcome:
+    state: str  # COMPLETE, PRUNED, FAIL or RETRY
+    values: list[float] | None = None
+    reason: str = ""
+
+
+def judge(run_dir: Path, exit_code: int | str, objectives: tuple[str, ...], attempts: int, retries: int) -> Outcome:
+    """What a finished job means for its trial, from its exit code and its run.json."""
+    record_path = run_dir / "run.json"
+    record = json.loads(record_path.read_text()) if record_path.exists() else {}
+    status = record.get("status")
+    if status == "completed" and exit_code in (0, "gone"):
+        values = [float((record.get("eval_after") or {}).get(o, float("nan"))) for o in objectives]
+        if not all(math.isfinite(v) for v in values):
+            return Outcome("FAIL", reason=f"the objective is not finite: {values}")
+        return Outcome("COMPLETE", values=values)
+    if status == "pruned":
+        return Outcome("PRUNED")
+    killed = (isinstance(exit_code, int) and exit_code < 0) or (exit_code == "gone" and status in (None, "running", "preempted"))
+    if killed or status == "preempted":
+        if attempts <= retries:
+            return Outcome("RETRY", reason=f"the job was interrupted (exit {exit_code}); restarting it")
+        return Outcome("FAIL", reason=f"the job was interrupted {attempts} times (last exit {exit_code}); retries exhausted")
+    reason = record.get("error") or _last_error_line(run_dir / "job.log") or f"the job exited with {exit_code}"
+    return Outcome("FAIL", reason=reason[:500])
+
+
+def _last_error_line(log_path: Path) -> str:
+    if not log_path.exists():
+        return ""
+    lines = [line.strip() for line in log_path.read_text(errors="replace").splitlines()
+             if line.strip() and "HYDRA_FULL_ERROR" not in line]
+    for marker in ("kdsweep: error:", "Error", "error"):
+        for line in reversed(lines):
+            if marker in line:
+                return line
+    return lines[-1] if lines else ""
+
+
+class Controller:
+    def __init__(self, settings: SweepSettings, space: list[Param], base_overrides: list[str], sweep_dir: Path,
+                 backend: Backend) -> None:
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)  # the controller logs what happens to each trial
+        self.settings, self.space, self.base, self.sweep_dir, self.backend = settings, space, base_overrides, sweep_dir, backend
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        self.manifest = Manifest.open(sweep_dir, settings, [p.describe() for p in space], base_overrides)
+        url = storage_url(settings, sweep_dir)
+        os.environ[STORAGE_ENV] = url  # jobs get the storage (and any password) from their environment only
+        self.study = optuna.create_study(
+            study_name=settings.study_name, storage=make_storage(url), load_if_exists=True,
+            sampler=make_sampler(settings, space), pruner=make_pruner(settings), directions=list(settings.directions),
+        )
+        self.distributions = {p.key: p.distribution() for p in space}
+        if not self.manifest.trials:  # a new sweep: the given points go first
+            for point in settings.enqueue:
+                self.study.enqueue_trial(dict(point))
+
+    # -- one trial ---------------------------------------------------------------------------------------
+    def _args(self, number: int, params: dict[str, Any]) -> list[str]:
+        run_dir = self.sweep_dir / str(number)
+        return [*self.base, *(f"{k}={v}" for k, v in params.items()), f"trial.sweep_dir={self.sweep_dir}",
+                f"trial.number={number}", f"hydra.run.dir={run_dir}"]
+
+    def _start(self, number: int) -> None:
+        entry = self.manifest.trial(number)
+        job = self.backend.start(entry["args"], Path(entry["run_dir"]))
+        self.manifest.put(number, state="RUNNING", job=job, attempts=entry.get("attempts", 0) + 1,
+                          started=entry.get("started") or time.time(), last_start=time.time())
+        log.info("trial %d started (%s): %s", number, job, " ".join(f"{k}={v}" for k, v in entry["params"].items()))
+
+    def _ask_and_start(self) -> None:
+        trial = self.study.ask(self.distributions)
+        run_dir = self.sweep_dir / str(trial.number)
+        self.manifest.put(trial.number, params=trial.params, args=self._args(trial.number, trial.params),
+                          run_dir=str(run_dir), state="ASKED", attempts=0)
+        self.study._storage.set_trial_user_attr(trial._trial_id, "run_dir", str(run_dir))
+        self._start(trial.number)
+
+    def _finish(self, number: int, exit_code: int | str) -> None:
+        from optuna.trial import TrialState
+
+        entry = self.manifest.trial(number)
+        outcome = judge(Path(entry["run_dir"]), exit_code, self.settings.objectives, entry["attempts"], self.settings.retries)
+        if outcome.state == "RETRY":
+            log.warning("trial %d: %s", number, outcome.reason)
+            self._start(number)
+            return
+        trial_id = self.study._storage.get_trial_id_from_study_id_trial_number(self.study._study_id, number)
+        if outcome.reason:
+            self.study._storage.set_trial_user_attr(trial_id, "reason", outcome.reason)
+        state = {"COMPLETE": TrialState.COMPLETE, "PRUNED": TrialState.PRUNED, "FAIL": TrialState.FAIL}[outcome.state]
+        self.study.tell(number, values=outcome.values if outcome.state == "COMPLETE" else None, state=state,
+                        skip_if_finished=True)
+        self.manifest.put(number, state=outcome.state, values=outcome.values, reason=outcome.reason,
+                          ended=time.time(), exit_code=exit_code)
+        shown = f"{outcome.values}" if outcome.values else outcome.reason
+        log.info("trial %d %s %s", number, outcome.state, shown)
+
+    # -- the loop ------------------------------------------------------------------------------------------
+    def run(self) -> Manifest:
+        for number, entry in sorted(self.manifest.trials.items(), key=lambda kv: int(kv[0])):
+            if entry["state"] == "ASKED":  # the controller died between ask and start
+                self._start(int(number))
+        while True:
+            running = [int(n) for n, e in self.manifest.trials.items() if e["state"] == "RUNNING"]
+            for number in running:
+                code = self.backend.poll(self.manifest.trial(number)["job"])
+                if code is not None:
+                    self._finish(number, code)
+            running = [int(n) for n, e in self.manifest.trials.items() if e["state"] == "RUNNING"]
+            while len(running) < self.settings.max_concurrent and len(self.manifest.trials) < self.settings.n_trials:
+                self._ask_and_start()
+                running.append(-1)
+            if not running:
+                break
+            time.sleep(self.settings.poll_s)
+        return self.manifest
+
+
+def summary_lines(manifest: Manifest) -> list[str]:
+    """A table of the sweep's trials, best marked."""
+    trials = sorted(manifest.trials.values(), key=lambda e: e["number"])
+    done = [t for t in trials if t["state"] == "COMPLETE"]
+    best = min(done, key=lambda t: t["values"][0])["number"] if done and len(done[0]["values"]) == 1 else None
+    lines = [f"{'trial':>5}  {'state':<8} {'objective':>10}  params"]
+    for t in trials:
+        objective = ",".join(f"{v:.4f}" for v in t["values"]) if t.get("values") else "-"
+        mark = "  <- best" if t["number"] == best else ""
+        params = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in t["params"].items())
+        lines.append(f"{t['number']:>5}  {t['state']:<8} {objective:>10}  {params}{mark}"
+                     + (f"  ({t['reason']})" if t.get("reason") and t["state"] == "FAIL" else ""))
+    return lines
+
+
+__all__ = ["Controller", "LocalProcesses", "judge", "summary_lines", "FINAL"]

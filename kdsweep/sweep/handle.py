@@ -1,0 +1,41 @@
+"""The in-job end of a trial: report evals to the study and ask whether to stop (rank 0 only).
+
+The job writes intermediate values only; the controller alone tells the trial's final state.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+from kdsweep.sweep.manifest import Manifest
+from kdsweep.sweep.study import make_pruner, make_storage, storage_url
+
+log = logging.getLogger(__name__)
+
+
+class TrialHandle:
+    """``report(step, value) -> should_stop`` against trial ``number`` of the sweep in ``sweep_dir``."""
+
+    def __init__(self, sweep_dir: str, number: int) -> None:
+        import optuna
+
+        manifest = Manifest.load(Path(sweep_dir))
+        settings = manifest.settings
+        storage = make_storage(storage_url(settings, Path(sweep_dir)))
+        # Optuna does not store the pruner: build the very one the controller uses, from the same settings.
+        study = optuna.load_study(study_name=settings.study_name, storage=storage, pruner=make_pruner(settings))
+        trial_id = storage.get_trial_id_from_study_id_trial_number(study._study_id, number)
+        self.trial = optuna.trial.Trial(study, trial_id)
+        self.number = number
+        self.can_prune = not settings.multi_objective  # Optuna cannot prune multi-objective trials
+
+    def report(self, step: int, value: float) -> bool:
+        if not self.can_prune or not math.isfinite(value):
+            return False
+        self.trial.report(value, step)
+        prune = self.trial.should_prune()
+        if prune:
+            log.info("trial %d: the pruner stops it at step %d (eval %.4f)", self.number, step, value)
+        return prune

@@ -1,0 +1,83 @@
+"""The sweep directory's ``sweep.json``: settings, search space and every trial's job, rewritten atomically.
+
+It is what makes a sweep resumable: a controller started on a directory that has one continues it (same
+study, same numbering, same budget) and re-attaches to the jobs still running; a changed search space is
+refused. It never holds a password: the storage URL is saved redacted and reaches jobs through the environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from kdsweep.config.schema import ConfigError
+from kdsweep.sweep.study import SweepSettings, redact
+
+STORAGE_ENV = "KDSWEEP_STORAGE_URL"
+FINAL = ("COMPLETE", "PRUNED", "FAIL")
+
+
+class Manifest:
+    def __init__(self, path: Path, data: dict[str, Any]) -> None:
+        self.path = path
+        self.data = data
+
+    @classmethod
+    def open(cls, sweep_dir: Path, settings: SweepSettings, space: list[dict[str, Any]], base_overrides: list[str]) -> "Manifest":
+        """Load the sweep's manifest (refusing a different search space) or start a new one."""
+        path = sweep_dir / "sweep.json"
+        fresh = {
+            "study_name": settings.study_name,
+            "settings": {**asdict(settings), "storage": redact(settings.storage)},
+            "space": space,
+            "base_overrides": base_overrides,
+            "trials": {},
+        }
+        if not path.exists():
+            m = cls(path, fresh)
+            m.save()
+            return m
+        data = json.loads(path.read_text())
+        for key, what in (("space", "search space"), ("base_overrides", "fixed overrides"), ("study_name", "study name")):
+            if data[key] != fresh[key]:
+                raise ConfigError(
+                    f"{sweep_dir} holds a sweep with a different {what} ({data[key]} vs now {fresh[key]}); "
+                    "resume it unchanged, or start the new search in another hydra.sweep.dir"
+                )
+        data["settings"] = fresh["settings"]  # budget and concurrency may change on resume
+        return cls(path, data)
+
+    @classmethod
+    def load(cls, sweep_dir: Path) -> "Manifest":
+        path = Path(sweep_dir) / "sweep.json"
+        if not path.exists():
+            raise ConfigError(f"{sweep_dir} is not a kdsweep sweep directory (no sweep.json)")
+        return cls(path, json.loads(path.read_text()))
+
+    @property
+    def settings(self) -> SweepSettings:
+        s = dict(self.data["settings"])
+        s["storage"] = os.environ.get(STORAGE_ENV) or s["storage"]
+        s["objectives"], s["directions"], s["enqueue"] = tuple(s["objectives"]), tuple(s["directions"]), tuple(s["enqueue"])
+        return SweepSettings(**s)
+
+    @property
+    def trials(self) -> dict[str, dict[str, Any]]:
+        return self.data["trials"]
+
+    def trial(self, number: int) -> dict[str, Any]:
+        return self.trials[str(number)]
+
+    def put(self, number: int, **fields: Any) -> dict[str, Any]:
+        entry = self.trials.setdefault(str(number), {"number": number})
+        entry.update(fields)
+        self.save()
+        return entry
+
+    def save(self) -> None:
+        tmp = self.path.with_name(".sweep.json.tmp")
+        tmp.write_text(json.dumps(self.data, indent=2, default=str) + "\n")
+        os.replace(tmp, self.path)

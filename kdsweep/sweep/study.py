@@ -1,0 +1,150 @@
+"""The Optuna side of a sweep: settings, storages, samplers, pruners. Optuna is imported lazily.
+
+Every process that asks ``should_prune`` must build the same pruner (Optuna does not store it), so samplers and
+pruners are built from the plain settings saved in the sweep's manifest, never passed around as objects.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kdsweep.config.schema import ConfigError
+
+SAMPLERS = ("tpe", "gp", "random", "grid")
+PRUNERS = ("median", "halving", "hyperband", "none")
+OBJECTIVES = ("student_ce", "kl", "teacher_ce")
+DIRECTIONS = ("minimize", "maximize")
+NFS_TYPES = ("nfs", "nfs4", "cifs", "smb3", "lustre", "gpfs", "beegfs")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SweepSettings:
+    """What ``hydra.sweeper`` says, validated. Stored in the manifest; the trial handle rebuilds from it."""
+
+    study_name: str = "kdsweep"
+    storage: str | None = None
+    """None: a SQLite file in the sweep directory. ``journal:///abs/path.log``: a journal file. Else an
+    SQLAlchemy URL (``postgresql+psycopg2://user@host/db``; put passwords in PGPASSWORD, not the URL)."""
+    n_trials: int = 8
+    max_concurrent: int = 2
+    sampler: str = "tpe"
+    seed: int | None = 0
+    pruner: str = "median"
+    pruner_startup_trials: int = 2
+    """Trials that must finish before the median pruner prunes anything."""
+    pruner_warmup_steps: int = 0
+    objectives: tuple[str, ...] = ("student_ce",)
+    """Eval metrics to optimise, from OBJECTIVES; two or more make a Pareto study (no pruning then)."""
+    directions: tuple[str, ...] = ("minimize",)
+    retries: int = 1
+    """How often a trial whose process was killed (not one that failed on its own) is restarted."""
+    poll_s: float = 0.5
+    enqueue: tuple[dict[str, Any], ...] = ()
+    """Points to try first, in order (known-good settings, a baseline), before the sampler proposes any."""
+    params: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check(bool(re.fullmatch(r"[\w.-]+", self.study_name)), f"hydra.sweeper.study_name={self.study_name!r}: use letters, digits, . _ -")
+        _check(self.n_trials >= 1, f"hydra.sweeper.n_trials={self.n_trials} must be >= 1")
+        _check(self.max_concurrent >= 1, f"hydra.sweeper.max_concurrent={self.max_concurrent} must be >= 1")
+        _check(self.sampler in SAMPLERS, f"hydra.sweeper.sampler={self.sampler!r} is unknown; use one of {', '.join(SAMPLERS)}")
+        _check(self.pruner in PRUNERS, f"hydra.sweeper.pruner={self.pruner!r} is unknown; use one of {', '.join(PRUNERS)}")
+        _check(
+            len(self.objectives) >= 1 and all(o in OBJECTIVES for o in self.objectives),
+            f"hydra.sweeper.objectives={list(self.objectives)}: each must be one of {', '.join(OBJECTIVES)}",
+        )
+        _check(
+            len(self.directions) == len(self.objectives) and all(d in DIRECTIONS for d in self.directions),
+            f"hydra.sweeper.directions={list(self.directions)} must give minimize or maximize for each of the "
+            f"{len(self.objectives)} objectives",
+        )
+        _check(self.retries >= 0, f"hydra.sweeper.retries={self.retries} must be >= 0")
+
+    @property
+    def multi_objective(self) -> bool:
+        return len(self.objectives) > 1
+
+
+def redact(url: str | None) -> str | None:
+    """The URL with any password replaced by ***, for logs and saved configs."""
+    return None if url is None else re.sub(r"(://[^:/@]+):[^@/]*@", r"\1:***@", url)
+
+
+def _filesystem_type(path: Path) -> str:
+    """The type of the filesystem holding ``path`` (longest mount point that contains it)."""
+    path = path.resolve()
+    best, kind = "", ""
+    for line in Path("/proc/mounts").read_text().splitlines():
+        parts = line.split()
+        if len(parts) >= 3 and str(path).startswith(parts[1]) and len(parts[1]) > len(best):
+            best, kind = parts[1], parts[2]
+    return kind
+
+
+def storage_url(settings: SweepSettings, sweep_dir: Path) -> str:
+    """The storage a sweep uses, as a string that the jobs can rebuild it from."""
+    return settings.storage or f"sqlite:///{(sweep_dir / 'optuna.db').resolve()}"
+
+
+def make_storage(url: str) -> Any:
+    """An Optuna storage for ``url``; one clear line when it is on NFS (SQLite) or cannot be reached."""
+    import optuna
+
+    if url.startswith("journal://"):
+        from optuna.storages.journal import JournalFileBackend
+
+        path = Path(url[len("journal://"):])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
+    if url.startswith("sqlite:///"):
+        path = Path(url[len("sqlite:///"):])
+        fs = _filesystem_type(path.parent if path.parent.exists() else Path.cwd())
+        if fs in NFS_TYPES:
+            raise ConfigError(
+                f"hydra.sweeper.storage={url} is a SQLite file on {fs}, which corrupts under parallel writers; "
+                "use a journal file (journal:///path/study.log) or PostgreSQL (postgresql+psycopg2://user@host/db)"
+            )
+    try:
+        return optuna.storages.RDBStorage(url)
+    except Exception as e:  # SQLAlchemy's errors vary by driver: say what failed, without the password
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"hydra.sweeper.storage={redact(url)} cannot be reached ({first[:200]}); check the URL and that the "
+            "database server is up"
+        ) from None
+
+
+def make_sampler(settings: SweepSettings, space: list[Any]) -> Any:
+    import optuna
+
+    if settings.sampler == "tpe":
+        return optuna.samplers.TPESampler(seed=settings.seed)
+    if settings.sampler == "gp":
+        return optuna.samplers.GPSampler(seed=settings.seed)
+    if settings.sampler == "random":
+        return optuna.samplers.RandomSampler(seed=settings.seed)
+    if any(p.kind != "categorical" for p in space):
+        raise ConfigError("hydra.sweeper.sampler=grid needs every parameter as choice(...) or range(...)")
+    return optuna.samplers.GridSampler({p.key: list(p.choices) for p in space}, seed=settings.seed)
+
+
+def make_pruner(settings: SweepSettings) -> Any:
+    import optuna
+
+    if settings.pruner == "none" or settings.multi_objective:
+        return optuna.pruners.NopPruner()
+    if settings.pruner == "median":
+        return optuna.pruners.MedianPruner(
+            n_startup_trials=settings.pruner_startup_trials, n_warmup_steps=settings.pruner_warmup_steps
+        )
+    if settings.pruner == "halving":
+        return optuna.pruners.SuccessiveHalvingPruner()
+    return optuna.pruners.HyperbandPruner()

@@ -1,0 +1,29 @@
+"""The sweeper's config node, registered as ``hydra/sweeper=kdsweep_optuna`` (fields: kdsweep.sweep.study.SweepSettings)."""
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+
+
+@dataclass
+class KdsweepOptunaConf:
+    _target_: str = "hydra_plugins.kdsweep_sweeper.sweeper.KdsweepOptunaSweeper"
+    study_name: str = "kdsweep"
+    storage: Optional[str] = None
+    n_trials: int = 8
+    max_concurrent: int = 2
+    sampler: str = "tpe"
+    seed: Optional[int] = 0
+    pruner: str = "median"
+    pruner_startup_trials: int = 2
+    pruner_warmup_steps: int = 0
+    objectives: List[str] = field(default_factory=lambda: ["student_ce"])
+    directions: List[str] = field(default_factory=lambda: ["minimize"])
+    retries: int = 1
+    poll_s: float = 0.5
+    enqueue: List[Any] = field(default_factory=list)
+    params: Dict[str, str] = field(default_factory=dict)
+
+
+ConfigStore.instance().store(group="hydra/sweeper", name="kdsweep_optuna", node=KdsweepOptunaConf, provider="kdsweep")

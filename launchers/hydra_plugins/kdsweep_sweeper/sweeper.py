@@ -1,0 +1,93 @@
+"""The Hydra side of kdsweep's sweeper: read the command line and the launcher, then hand over to the controller."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any, List
+
+from hydra.plugins.sweeper import Sweeper
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+log = logging.getLogger(__name__)
+
+
+class KdsweepOptunaSweeper(Sweeper):
+    def __init__(self, **settings: Any) -> None:
+        self.raw_settings = settings
+
+    def setup(self, *, hydra_context: Any, task_function: Any, config: DictConfig) -> None:
+        self.hydra_context, self.config = hydra_context, config
+
+    def sweep(self, arguments: List[str]) -> Any:
+        from kdsweep.app import fail
+        from kdsweep.config.schema import ConfigError
+
+        try:
+            return self._sweep(arguments)
+        except ConfigError as e:
+            fail(str(e), None)
+
+    def _sweep(self, arguments: List[str]) -> Any:
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        from kdsweep.config.schema import ConfigError
+        from kdsweep.sweep.controller import Controller, LocalProcesses, summary_lines
+        from kdsweep.sweep.space import parse_space
+        from kdsweep.sweep.study import SweepSettings, redact
+
+        settings_raw = OmegaConf.to_container(OmegaConf.create(self.raw_settings), resolve=True)
+        params = dict(settings_raw.pop("params") or {})
+        base = []
+        for override in OverridesParser.create().parse_overrides(arguments):
+            if override.is_sweep_override():  # a sweep given on the command line joins the search space
+                params[override.key_or_group] = _value_text(override)
+            else:
+                base.append(override.input_line)
+        # Hydra settings given on the command line that shape each job's config (search path, job name, ...)
+        # travel with it; the sweep's own (sweeper, launcher, directories) stay here.
+        own = ("hydra.sweep", "hydra.sweeper", "hydra/sweeper", "hydra.launcher", "hydra/launcher", "hydra.run", "hydra.mode")
+        base += [o for o in self.config.hydra.overrides.hydra if not str(o).lstrip("+~").startswith(own)]
+        settings_raw["objectives"] = tuple(settings_raw["objectives"])
+        settings_raw["directions"] = tuple(settings_raw["directions"])
+        settings_raw["enqueue"] = tuple(settings_raw["enqueue"] or ())
+        settings = SweepSettings(**settings_raw, params=params)
+        space = parse_space(params)
+        launcher = str(OmegaConf.select(self.config, "hydra.launcher._target_", default=""))
+        if "BasicLauncher" not in launcher:
+            raise ConfigError(
+                f"hparams_search runs trials as local processes so far; hydra.launcher={launcher.rsplit('.', 1)[-1]} "
+                "is not supported by kdsweep's sweeper yet: drop hydra/launcher=... (SLURM grids work without "
+                "hparams_search)"
+            )
+        sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
+        self._validate_points(base, space, sweep_dir)
+        controller = Controller(settings, space, base, sweep_dir, LocalProcesses(settings.max_concurrent))
+        controller.manifest.data["command"] = sys.argv[1:]
+        controller.manifest.save()
+        log.info("sweep %s: study %s on %s, %d trials, %d at a time, sampler %s, pruner %s", sweep_dir,
+                 settings.study_name, redact(settings.storage) or "sqlite (sweep dir)", settings.n_trials,
+                 settings.max_concurrent, settings.sampler, settings.pruner)
+        manifest = controller.run()
+        print("\n".join([f"sweep {sweep_dir} (study {settings.study_name}):", *summary_lines(manifest)]), flush=True)
+        return manifest
+
+    def _validate_points(self, base: list, space: list, sweep_dir: Path) -> None:
+        """Every corner of the space (both ends of each range, every choice) must make a valid job."""
+        from kdsweep.app import resolve, validate
+
+        points = [[]] + [[f"{p.key}={v}"] for p in space for v in p.corners()]
+        for extra in points:
+            cfg = self.hydra_context.config_loader.load_sweep_config(self.config, [*base, *extra])
+            with open_dict(cfg):
+                del cfg["hydra"]
+            raw = resolve(cfg)
+            raw["output_dir"] = str(sweep_dir / "validation")
+            validate(raw)
+
+
+def _value_text(override: Any) -> str:
+    """The sweep expression as written (``interval(0.0,1.0)``, ``choice(4,8)``, ``0.1,0.2``)."""
+    text = override.input_line.split("=", 1)[1]
+    return text if "(" in text else f"choice({text})"

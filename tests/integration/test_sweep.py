@@ -1,0 +1,161 @@
+"""kdsweep's Optuna sweeper on real trials: async refill, pruning (2 ranks), failures, resume, bad input."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import optuna
+import pytest
+import yaml
+
+from conftest import kdsweep
+
+pytestmark = pytest.mark.slow
+
+
+def search(tmp_path, name, sweeper: dict, overrides: dict | None = None) -> list[str]:
+    """Write hparams_search/<name>.yaml beside the test and return the arguments that select it."""
+    body = {"defaults": [{"override /hydra/sweeper": "kdsweep_optuna"}],
+            "train": {"eval_every": 2}, "logger": {"progress_bar": False},
+            "checkpoint": {"save_every": 0, "export_adapter": False, "export_merged": False},
+            "hydra": {"sweeper": {"study_name": name, "poll_s": 0.2, **sweeper}}, **(overrides or {})}
+    (tmp_path / "conf" / "hparams_search").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "conf" / "hparams_search" / f"{name}.yaml").write_text("# @package _global_\n" + yaml.safe_dump(body))
+    return ["-m", f"hparams_search={name}", f"hydra.searchpath=[file://{tmp_path / 'conf'}]"]
+
+
+def manifest(sweep_dir) -> dict:
+    return json.loads((sweep_dir / "sweep.json").read_text())
+
+
+def study(sweep_dir, name):
+    return optuna.load_study(study_name=name, storage=f"sqlite:///{sweep_dir / 'optuna.db'}")
+
+
+def test_a_freed_slot_is_refilled_while_the_long_trial_runs(tmp_path, zoo_dirs):
+    sweep_dir = tmp_path / "sweep"
+    args = search(tmp_path, "refill", {
+        "n_trials": 4, "max_concurrent": 2, "sampler": "random", "pruner": "none",
+        "params": {"train.max_steps": "choice(1,80)"},
+        "enqueue": [{"train.max_steps": 80}, {"train.max_steps": 1}, {"train.max_steps": 1}, {"train.max_steps": 1}],
+    })
+    kdsweep(*args, f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path)
+    trials = {int(n): t for n, t in manifest(sweep_dir)["trials"].items()}
+    assert [trials[n]["state"] for n in range(4)] == ["COMPLETE"] * 4
+    long = trials[0]
+    assert long["params"]["train.max_steps"] == 80
+    assert [trials[n]["params"]["train.max_steps"] for n in (1, 2, 3)] == [1, 1, 1]
+    for n in (2, 3):  # each started when a short trial ended, while the long one was still running
+        previous_end = max(t["ended"] for t in trials.values() if t["ended"] <= trials[n]["started"])
+        assert trials[n]["started"] - previous_end < 3.0
+        assert trials[n]["started"] < long["ended"]
+    assert trials[3]["ended"] < long["ended"]  # all three short trials ran beside the long one
+
+
+def test_pruned_two_rank_trial_stops_on_every_rank(tmp_path, zoo_dirs):
+    sweep_dir = tmp_path / "sweep"
+    args = search(tmp_path, "prune", {
+        "n_trials": 2, "max_concurrent": 1, "sampler": "random", "pruner": "median", "pruner_startup_trials": 1,
+        "params": {"lr": "tag(log, interval(1e-7,1e-1))"},
+        "enqueue": [{"lr": 0.01}, {"lr": 1e-7}],  # a working lr first, then one that cannot learn
+    }, {"train": {"eval_every": 2, "max_steps": 8}, "dist": {"nproc_per_node": 2}})
+    kdsweep(*args, f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path)
+    trials = study(sweep_dir, "prune").trials
+    assert [t.state.name for t in trials] == ["COMPLETE", "PRUNED"]
+    assert set(trials[0].intermediate_values) == {2, 4, 6, 8} and set(trials[1].intermediate_values) == {2}
+    run = sweep_dir / "1"
+    assert json.loads((run / "run.json").read_text())["status"] == "pruned"
+    for log in (run / "kdsweep.log", run / "logs" / "rank1.log"):
+        assert "pruned at step 2 (checkpoint written)" in log.read_text(), log
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["kind"] == "train"]
+    assert steps == [1, 2]
+
+
+def test_a_failing_trial_is_fail_with_its_reason_and_the_sweep_goes_on(tmp_path, zoo_dirs):
+    sweep_dir = tmp_path / "sweep"
+    args = search(tmp_path, "faults", {
+        "n_trials": 3, "max_concurrent": 2, "sampler": "random", "pruner": "none",
+        "params": {"train.device": "choice(cpu,cuda)"},
+        "enqueue": [{"train.device": "cuda"}, {"train.device": "cpu"}, {"train.device": "cpu"}],
+    }, {"train": {"eval_every": 2, "max_steps": 2}})
+    proc = kdsweep(*args, f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path)
+    trials = study(sweep_dir, "faults").trials
+    assert [t.state.name for t in trials] == ["FAIL", "COMPLETE", "COMPLETE"]
+    assert "no CUDA device" in trials[0].user_attrs["reason"]
+    assert "FAIL" in proc.stdout and "no CUDA device" in proc.stdout
+
+
+def test_resume_after_kill_9_of_the_controller(tmp_path, zoo_dirs):
+    sweep_dir = tmp_path / "sweep"
+    args = search(tmp_path, "resume", {
+        "n_trials": 4, "max_concurrent": 2, "sampler": "tpe", "seed": 3, "pruner": "none",
+        "params": {"kd_ratio": "interval(0.0,1.0)"},
+    }, {"train": {"eval_every": 4, "max_steps": 8}})
+    cmd = [sys.executable, "-m", "kdsweep", *args, f"hydra.sweep.dir={sweep_dir}"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while True:
+        assert time.time() < deadline and proc.poll() is None, "no trial finished in time"
+        if (sweep_dir / "sweep.json").exists():
+            states = [t["state"] for t in manifest(sweep_dir)["trials"].values()]
+            if "COMPLETE" in states and "RUNNING" in states:
+                break
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = {n: t for n, t in manifest(sweep_dir)["trials"].items() if t["state"] == "COMPLETE"}
+
+    out = subprocess.run([sys.executable, "-m", "kdsweep", "resume", str(sweep_dir)], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    after = manifest(sweep_dir)["trials"]
+    assert sorted(int(n) for n in after) == [0, 1, 2, 3]  # numbering continued, budget honoured
+    assert all(t["state"] == "COMPLETE" for t in after.values())
+    for n, t in before.items():  # nothing finished was lost or redone
+        assert after[n]["values"] == t["values"] and after[n]["ended"] == t["ended"]
+    trials = study(sweep_dir, "resume").trials
+    assert len(trials) == 4 and [t.number for t in trials] == [0, 1, 2, 3]
+    status = subprocess.run([sys.executable, "-m", "kdsweep", "status", str(sweep_dir)], capture_output=True, text=True)
+    assert status.returncode == 0 and status.stdout.count("COMPLETE") == 4 and "<- best" in status.stdout
+
+
+BAD = {
+    "pruner": (["hydra.sweeper.pruner=sometimes"], "hydra.sweeper.pruner='sometimes' is unknown"),
+    "sampler": (["hydra.sweeper.sampler=cmaes2"], "hydra.sweeper.sampler='cmaes2' is unknown"),
+    "integer_interval": (["kd_ratio=interval(0,1)"], "integer bounds make an integer space"),
+    "bad_point": (["kd_ratio=interval(0.0,1.5)"], "loss.kd_ratio=1.5 is outside [0, 1]"),
+    "storage": (["hydra.sweeper.storage=sqlite:////no/such/dir/x.db"], "cannot be reached"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_sweep_input_is_one_line_before_any_trial(case, tmp_path):
+    args, expected = BAD[case]
+    sweep_dir = tmp_path / "sweep"
+    proc = kdsweep("-m", "hparams_search=kd_optuna", *args, f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path, check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("kdsweep: error:"), proc.stderr
+    assert expected in lines[0]
+    assert not any(p.is_dir() and p.name.isdigit() for p in sweep_dir.glob("*")), "no trial may start"
+
+
+def test_an_empty_search_space_is_one_line(tmp_path):
+    args = search(tmp_path, "empty", {"params": {}})
+    proc = kdsweep(*args, f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path, check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "hydra.sweeper.params is empty" in lines[0], proc.stderr
+
+
+def test_a_changed_search_space_is_refused_on_resume(tmp_path, zoo_dirs):
+    sweep_dir = tmp_path / "sweep"
+    args = search(tmp_path, "space", {"n_trials": 1, "max_concurrent": 1, "pruner": "none",
+                                      "params": {"kd_ratio": "interval(0.0,1.0)"}}, {"train": {"max_steps": 2}})
+    kdsweep(*args, f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path)
+    proc = kdsweep(*args, "kd_ratio=interval(0.0,0.5)", f"hydra.sweep.dir={sweep_dir}",
+                   cwd=tmp_path, check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "different search space" in lines[0], proc.stderr
