@@ -134,8 +134,11 @@ def _launch(run_cfg: RunConfig, raw: dict[str, Any], overrides: list[str]) -> di
     from kdsweep.distributed import detect, device_for
     from kdsweep.distributed.launch import check_local_launch, check_master_resolves, spawn
 
+    from kdsweep.train import check_resumable
+
     env = detect()
     spawn_local = env.world_size == 1 and run_cfg.dist.nproc_per_node > 1
+    check_resumable(run_cfg)  # here too, so that spawned ranks never start on someone else's checkpoints
     if spawn_local:
         check_local_launch(run_cfg.dist, device_for(run_cfg.train.device, env))
     elif env.world_size > 1:

@@ -31,6 +31,44 @@ def summarize(sweep_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def grid_points(config: DictConfig) -> list[list[str]]:
+    """Every job's overrides of a Hydra grid (what BasicSweeper will launch), from the multirun's config."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    overrides = OverridesParser.create().parse_overrides(list(config.hydra.overrides.task))
+    return [list(point) for batch in BasicSweeper.split_arguments(overrides, None) for point in batch]
+
+
+class ValidateGrid(Callback):
+    """A grid's bad point is one line before the first job starts, not a failure after others have run
+    (or a FAILED SLURM job): every point is composed and validated like a job would be."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if "BasicSweeper" not in str(config.hydra.sweeper.get("_target_", "")):
+            return  # kdsweep's own sweeper validates its space itself
+        from hydra._internal.config_loader_impl import ConfigLoaderImpl
+        from hydra._internal.utils import create_config_search_path
+        from hydra.types import RunMode
+        from omegaconf import open_dict
+
+        from kdsweep.app import conf_dir, fail, resolve, validate
+        from kdsweep.config.schema import ConfigError
+
+        loader = ConfigLoaderImpl(config_search_path=create_config_search_path(conf_dir()))
+        hydra_overrides = [str(o) for o in config.hydra.overrides.hydra]
+        for i, point in enumerate(grid_points(config)):
+            try:
+                cfg = loader.load_configuration("config", [*hydra_overrides, *point], RunMode.RUN)
+                with open_dict(cfg):
+                    del cfg["hydra"]
+                raw = resolve(cfg)
+                raw["output_dir"] = str(Path(str(config.hydra.sweep.dir)) / str(i))
+                validate(raw)
+            except ConfigError as e:
+                fail(f"grid point {i} ({' '.join(point)}): {e}", None)
+
+
 class SweepSummary(Callback):
     """Print the objectives of a finished multirun, whichever launcher ran the jobs."""
 

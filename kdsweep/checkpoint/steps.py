@@ -47,10 +47,6 @@ def latest(root: Path) -> Path | None:
     return steps[-1] if steps else None
 
 
-def step_of(path: Path) -> int:
-    return int(_STEP_DIR.match(path.name).group(1))
-
-
 def rng_state() -> dict[str, Any]:
     state = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():

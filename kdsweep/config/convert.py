@@ -12,6 +12,7 @@ from kdsweep.config.schema import ConfigError, RunConfig
 # Top-level sweep knobs: the config tree interpolates them into their sections (loss.kd_ratio, optim.lr,
 # model.lora_rank), so the typed config holds each value in exactly one place.
 SWEEP_KNOBS = ("kd_ratio", "lr", "lora_rank")
+KNOB_TARGETS = {"kd_ratio": ("loss", "kd_ratio"), "lr": ("optim", "lr"), "lora_rank": ("model", "lora_rank")}
 # Keys the Hydra app adds beside the run config; they are not part of it.
 IGNORED_KEYS = ("hydra",)
 
@@ -19,7 +20,15 @@ IGNORED_KEYS = ("hydra",)
 def to_run_config(raw: dict[str, Any]) -> RunConfig:
     """Build and validate the typed config from a resolved, plain dict (no interpolations left)."""
     body = {k: v for k, v in raw.items() if k not in SWEEP_KNOBS and k not in IGNORED_KEYS}
-    return _build(RunConfig, body, prefix="")
+    cfg = _build(RunConfig, body, prefix="")
+    for knob, (section, name) in KNOB_TARGETS.items():
+        if knob in raw and raw[knob] != getattr(getattr(cfg, section), name):
+            # A section value that ignores the knob would make a sweep over the knob run identical jobs.
+            raise ConfigError(
+                f"{section}.{name}={getattr(getattr(cfg, section), name)} disagrees with the sweep knob {knob}={raw[knob]}; "
+                f"set {knob}=... (the sections take it by interpolation) instead of {section}.{name}"
+            )
+    return cfg
 
 
 def _build(cls: type, values: Any, prefix: str) -> Any:

@@ -89,7 +89,7 @@ def _collective_device() -> torch.device:
 
 
 def slurm_master_port(job_id: str) -> int:
-    """A port every task of a SLURM job derives alike from its (array) job id, spread over 20000–39999."""
+    """A port every task of a SLURM job derives alike from its job id, spread over 20000–39999."""
     digits = re.sub(r"\D", "", job_id) or "0"
     return 20000 + int(digits) % 20000
 
@@ -116,7 +116,7 @@ def detect(environ: Mapping[str, str] | None = None) -> DistEnv:
             source="torchrun",
         )
     if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
-        job = env.get("SLURM_ARRAY_JOB_ID", env.get("SLURM_JOB_ID", "0")) + env.get("SLURM_ARRAY_TASK_ID", "")
+        job = env.get("SLURM_JOB_ID", "0")  # unique per array task too
         return DistEnv(
             rank=int(env["SLURM_PROCID"]), world_size=int(env["SLURM_NTASKS"]),
             local_rank=int(env.get("SLURM_LOCALID", 0)),

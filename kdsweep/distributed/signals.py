@@ -44,9 +44,3 @@ class PreemptionWatch:
         if rank == 0 and job:
             log.info("requeueing SLURM job %s", job)
             subprocess.run(["scontrol", "requeue", job], check=False)
-
-
-class NoPreemption:
-    """For runs nobody can preempt (tests, notebooks): never requested."""
-
-    requested = False

@@ -78,7 +78,7 @@ def _build(
     model = wrap(_on_meta(model_dir, dtype))
     _prepare(model, cfg, trainable)
     fsdp.shard(model, cfg)
-    model.to_empty(device=device)
+    model.to_empty(device="cpu" if cfg.cpu_offload else device)  # offloaded shards live on the host
     fsdp.load_from_rank0(model, source.state_dict() if source is not None else {})
     fsdp.recompute_rotary(model)
     return model

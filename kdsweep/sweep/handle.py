@@ -35,7 +35,7 @@ class TrialHandle:
         if not self.can_prune or not math.isfinite(value):
             return False
         self.trial.report(value, step)
-        prune = self.trial.should_prune()
+        prune = bool(self.trial.should_prune())  # optuna may answer with a numpy bool
         if prune:
             log.info("trial %d: the pruner stops it at step %d (eval %.4f)", self.number, step, value)
         return prune

@@ -92,12 +92,76 @@ def eval_batches_of_rank(
 
 
 def _warn_idle_knobs(cfg: RunConfig, dist: DistEnv) -> None:
-    """Sharding options only act when the models are sharded; say so instead of ignoring them silently."""
+    """Options that cannot act in this setting: say so instead of ignoring them silently."""
+    from kdsweep.config.schema import DataConfig, DistConfig, StudentConfig
+
+    def changed(section: Any, default: Any, knob: str) -> bool:
+        return getattr(section, knob) != getattr(default, knob)
+
     if dist.world_size == 1:
         for knob in ("reshard_after_forward", "mixed_precision", "cpu_offload"):
-            value = getattr(cfg.dist, knob)
-            if value is not getattr(type(cfg.dist)(), knob):
-                log.warning("dist.%s=%s has no effect with one rank (nothing is sharded)", knob, value)
+            if changed(cfg.dist, DistConfig(), knob):
+                log.warning("dist.%s=%s has no effect with one rank (nothing is sharded)", knob, getattr(cfg.dist, knob))
+    if dist.source != "single" and changed(cfg.dist, DistConfig(), "nproc_per_node"):
+        log.warning("dist.nproc_per_node=%d is ignored: %s decides the ranks (%d here)",
+                    cfg.dist.nproc_per_node, dist.source, dist.world_size)
+    if cfg.model.lora_rank == 0:
+        for knob in ("lora_alpha", "lora_dropout"):
+            if changed(cfg.model, StudentConfig(zoo="tiny-student"), knob):
+                log.warning("model.%s has no effect with lora_rank=0 (full fine-tune)", knob)
+        if cfg.checkpoint.export_adapter and not cfg.checkpoint.export_merged:
+            log.warning("checkpoint.export_adapter: a full fine-tune has no adapter; set export_merged=true to export")
+    if cfg.data.eval_files and changed(cfg.data, DataConfig(), "eval_fraction"):
+        log.warning("data.eval_fraction has no effect: data.eval_files is the held-out set")
+
+
+def training_fingerprint(cfg: RunConfig) -> dict[str, Any]:
+    """The settings that determine the trained weights; a checkpoint only resumes a run with the same ones.
+
+    Left out: where and how the run is observed or laid out (output dir, logging, eval cadence, threads, device,
+    ranks and sharding, checkpoint cadence), which by design do not change the result.
+    """
+    d = asdict(cfg)
+    drop = {"data": ("eval_batch_size", "max_eval_sequences"), "train": ("eval_every", "log_every", "threads", "device")}
+    for section, keys in drop.items():
+        for key in keys:
+            d[section].pop(key)
+    return {k: d[k] for k in ("model", "teacher", "data", "loss", "optim", "train")} | {
+        "mixed_precision": cfg.dist.mixed_precision
+    }
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def check_resumable(cfg: RunConfig) -> Path | None:
+    """The checkpoint this run will resume from, after checking it belongs to the same training config.
+
+    Runs before anything is written, so a refused resume leaves the directory (and its run.json) as it was.
+    """
+    root = Path(cfg.output_dir) / "checkpoints"
+    latest = checkpoints.latest(root)
+    if latest is None:
+        return None
+    if not cfg.checkpoint.resume:
+        raise ConfigError(
+            f"checkpoint.resume=false but {root} holds checkpoints of an earlier run; kdsweep never deletes them: "
+            "pass a new hydra.run.dir to start over"
+        )
+    saved = torch.load(latest / "state_rank0.pt", weights_only=False).get("fingerprint")
+    now = training_fingerprint(cfg)
+    if saved is not None and saved != now:
+        a, b = _flat(saved), _flat(now)
+        diff = [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+        raise ConfigError(
+            f"{cfg.output_dir} holds checkpoints of a different training config ({'; '.join(diff[:3])}); "
+            "resume it unchanged, or pass another hydra.run.dir"
+        )
+    return latest
 
 
 def run(
@@ -111,6 +175,7 @@ def run(
 ) -> RunResult:
     """Train the student against the teacher as ``cfg`` says; resumable from ``cfg.output_dir``."""
     dist = dist or single_process()
+    resume_from = check_resumable(cfg)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     record = (
@@ -119,7 +184,7 @@ def run(
     )
     started = time.time()
     try:
-        result = _train(cfg, dist, reporter, preemption, out, record)
+        result = _train(cfg, dist, reporter, preemption, out, record, resume_from)
     except BaseException as e:
         if record is not None:
             record.update(status="failed", error=f"{type(e).__name__}: {e}", wall_seconds=time.time() - started)
@@ -139,7 +204,7 @@ def run(
 
 def _train(
     cfg: RunConfig, dist: DistEnv, reporter: Reporter, preemption: Preemption | None, out: Path,
-    record: RunRecord | None,
+    record: RunRecord | None, resume_from: Path | None,
 ) -> RunResult:
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
@@ -170,6 +235,7 @@ def _train(
     student = load_student(student_dir, cfg.model, dtype, device, cfg.train.seed, dist, cfg.dist)
     timings["models_s"] = time.perf_counter() - t0
 
+    torch.manual_seed(cfg.train.seed + dist.rank)  # dropout: each rank its own stream, as each has its own data
     o = cfg.optim
     optimizer = torch.optim.AdamW(
         [p for p in student.parameters() if p.requires_grad], lr=o.lr, betas=o.betas, eps=o.eps,
@@ -178,10 +244,11 @@ def _train(
     scheduler = schedule.build(optimizer, o, cfg.train.max_steps)
     sampler = StepSampler(len(train_seqs), d.batch_size, cfg.train.seed)
     eval_batches = eval_batches_of_rank(eval_seqs, d.eval_batch_size, dist, device, cfg.loss.ignore_index)
-    evaluate_now = lambda: evaluate(student, teacher, eval_batches, ignore_index=cfg.loss.ignore_index, dist=dist)
+    evaluate_now = lambda: evaluate(
+        student, teacher, eval_batches, ignore_index=cfg.loss.ignore_index, dist=dist, num_chunks=cfg.loss.num_chunks
+    )
 
     ckpt_root = out / "checkpoints"
-    resume_from = checkpoints.latest(ckpt_root) if cfg.checkpoint.resume else None
     if resume_from is not None:
         state = checkpoints.load(resume_from, student, optimizer, dist)
         scheduler.load_state_dict(state["scheduler"])
@@ -241,7 +308,8 @@ def _train(
         if periodic or step == cfg.train.max_steps or pruned or preempted:
             checkpoints.save(
                 ckpt_root, step, student, optimizer,
-                {"step": step, "scheduler": scheduler.state_dict(), "eval_before": asdict(eval_before)},
+                {"step": step, "scheduler": scheduler.state_dict(), "eval_before": asdict(eval_before),
+                 "fingerprint": training_fingerprint(cfg)},
                 dist, cfg.checkpoint.keep_last,
             )
         if pruned or preempted:

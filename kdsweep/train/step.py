@@ -9,7 +9,7 @@ from torch import nn
 
 from kdsweep.config.schema import LossConfig
 from kdsweep.distributed import DistEnv
-from kdsweep.losses import LossSums, forward_kl_sum, kd_loss_sums, cross_entropy_sum, align_vocab
+from kdsweep.losses import LossSums, align_vocab, cross_entropy_sum, forward_kl_sum, kd_loss_sums, split_chunks
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 """(input_ids ``[B, T]``, labels ``[B, T]``): labels already shifted, ``ignore_index`` where a token does not count."""
@@ -70,7 +70,7 @@ def train_step(
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     dist.all_reduce_sum(totals)
-    ce, kd = (totals / global_tokens.clamp_min(1.0)).tolist()  # the step's single host sync
+    ce, kd = (totals / global_tokens.clamp_min(1.0)).tolist()  # host syncs only here, after the optimizer step
     r = loss_cfg.kd_ratio
     return StepStats(
         loss=(1 - r) * ce + r * kd, ce=ce, kd=kd, tokens=int(global_tokens.item()), grad_norm=float(grad_norm), lr=lr
@@ -91,21 +91,29 @@ class EvalResult:
 
 
 @torch.no_grad()
-def evaluate(student: nn.Module, teacher: nn.Module, batches: list[Batch], *, ignore_index: int, dist: DistEnv) -> EvalResult:
-    """Student CE, KL(teacher‖student) and teacher CE on held-out batches; the student is left in train mode."""
+def evaluate(
+    student: nn.Module, teacher: nn.Module, batches: list[Batch], *, ignore_index: int, dist: DistEnv, num_chunks: int = 8
+) -> EvalResult:
+    """Student CE, KL(teacher‖student) and teacher CE on held-out batches; the student is left in train mode.
+
+    Computed chunk by chunk with the training loss functions, so evaluation never holds more fp32 logits than
+    a training step does.
+    """
     student.eval()
-    device = next(student.parameters()).device
-    sums = torch.zeros(4, dtype=torch.float64, device=device)  # Σ student ce, Σ kl, Σ teacher ce, tokens
+    sums = None  # Σ student ce, Σ kl, Σ teacher ce, tokens
     for input_ids, labels in batches:
         s_logits, t_logits = align_vocab(student(input_ids=input_ids).logits, teacher(input_ids=input_ids).logits)
         v = s_logits.shape[-1]
         s, t, y = s_logits.reshape(-1, v), t_logits.reshape(-1, v), labels.reshape(-1)
-        sums += torch.stack([
-            cross_entropy_sum(s, y, ignore_index),
-            forward_kl_sum(s, t, y, temperature=1.0, ignore_index=ignore_index),
-            cross_entropy_sum(t, y, ignore_index),
-            (y != ignore_index).sum().float(),
-        ]).double()
+        if sums is None:
+            sums = torch.zeros(4, dtype=torch.float64, device=y.device)
+        for s_c, t_c, y_c in split_chunks(num_chunks, s, t, y):
+            sums += torch.stack([
+                cross_entropy_sum(s_c, y_c, ignore_index),
+                forward_kl_sum(s_c, t_c, y_c, temperature=1.0, ignore_index=ignore_index),
+                cross_entropy_sum(t_c, y_c, ignore_index),
+                (y_c != ignore_index).sum().float(),
+            ]).double()
     student.train()
     dist.all_reduce_sum(sums)
     ce, kl, tce, n = sums.tolist()

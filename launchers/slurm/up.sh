@@ -41,7 +41,8 @@ fi
 
 # 2. Files, all under $ROOT. The munge key is made once: daemons and clients must share it.
 if [[ ! -s "$ROOT/munge/munge.key" ]]; then
-    dd if=/dev/urandom of="$ROOT/munge/munge.key" bs=1024 count=1 status=none
+    # umask 077: never readable by others, not even between its creation and the chmod
+    (umask 077 && dd if=/dev/urandom of="$ROOT/munge/munge.key" bs=1024 count=1 status=none)
     chmod 400 "$ROOT/munge/munge.key"
 fi
 MEM_MB=$(( $(awk '/^MemTotal:/ {print $2}' /proc/meminfo) / 1024 ))

@@ -35,6 +35,7 @@ CASES = {
     "unknown_added_key": (["+train.foo=1"], "unknown config key 'train.foo'"),
     "fp16": (["train.dtype=fp16"], "train.dtype"),
     "required_files": (["data=text_files"], "data.train_files is required"),
+    "knob_conflict": (["loss.kd_ratio=0.9"], "loss.kd_ratio=0.9 disagrees with the sweep knob kd_ratio=0.5"),
 }
 
 
@@ -49,3 +50,27 @@ def test_one_clear_line_and_nothing_written(case, dirs, tmp_path):
     assert expected.format(root=dirs) in lines[0]
     assert not run_dir.exists(), "a rejected command must not leave a run directory"
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_a_bad_grid_point_is_one_line_before_any_job(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = kdsweep("-m", "kd_ratio=0.5,1.5", "train=smoke", f"hydra.sweep.dir={sweep}", cwd=tmp_path, check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "grid point 1 (kd_ratio=1.5 train=smoke)" in lines[0] and "loss.kd_ratio=1.5 is outside [0, 1]" in lines[0]
+    assert not (sweep / "0").exists(), "the good point must not have run either"
+
+
+@pytest.mark.slow
+def test_resuming_another_config_or_with_resume_off_is_refused_and_keeps_the_run(tmp_path, zoo_dirs):
+    run_dir = tmp_path / "run"
+    kdsweep("train=smoke", "train.max_steps=2", "logger=quiet", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    record = (run_dir / "run.json").read_text()
+    for args, expected in ((["kd_ratio=0.7"], "different training config (loss.kd_ratio: 0.5 -> 0.7)"),
+                           (["checkpoint.resume=false"], "checkpoint.resume=false but")):
+        proc = kdsweep("train=smoke", "train.max_steps=2", *args, f"hydra.run.dir={run_dir}", cwd=tmp_path, check=False)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and expected in lines[0], proc.stderr
+        assert (run_dir / "run.json").read_text() == record, "a refused resume must leave the run as it was"
+    # what does not change the weights (eval cadence, ranks, logging) may change on resume
+    kdsweep("train=smoke", "train.max_steps=2", "train.eval_every=1", "logger=quiet", f"hydra.run.dir={run_dir}", cwd=tmp_path)

@@ -112,8 +112,20 @@ def test_sharding_options_keep_the_result(one_rank, tmp_path):
     assert_same_run(one_rank, run_dir)
 
 
+TOO_MANY = len(os.sched_getaffinity(0)) + 1
+def test_bf16_mixed_precision_and_bf16_weights_run(tmp_path, zoo_dirs):
+    """Numerics differ from fp32 by design; these runs must train and give a finite objective near it."""
+    fp32 = tmp_path / "fp32"
+    kdsweep("train=smoke", "train.max_steps=2", *QUIET, f"hydra.run.dir={fp32}", cwd=tmp_path)
+    for name, args in (("mixed", ["dist=fsdp2_local", "dist.mixed_precision=true"]), ("bf16", ["train.dtype=bf16"])):
+        run_dir = tmp_path / name
+        kdsweep("train=smoke", "train.max_steps=2", "checkpoint.export_merged=false", *args, *QUIET,
+                f"hydra.run.dir={run_dir}", cwd=tmp_path)
+        assert read_run(run_dir)["objective"] == pytest.approx(read_run(fp32)["objective"], abs=0.05), name
+
+
 BAD = {
-    "too_many_ranks": (["dist.nproc_per_node=64"], "dist.nproc_per_node=64 but this machine has"),
+    "too_many_ranks": ([f"dist.nproc_per_node={TOO_MANY}"], f"dist.nproc_per_node={TOO_MANY} but this machine has"),
     "indivisible_batch": (["dist.nproc_per_node=2", "data.batch_size=8", "data.micro_batch_size=8"],
                           "data.batch_size=8 does not split over 2 ranks"),
     "unbindable_master": (["dist.nproc_per_node=2", "dist.master_addr=10.255.255.1"], "dist.master_addr=10.255.255.1"),

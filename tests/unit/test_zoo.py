@@ -31,7 +31,11 @@ def test_tokenizer_is_deterministic_and_concurrent_builds_agree(tmp_path):
     assert Path(outs[0]).name == Path(outs[2]).name  # the directory name is the content key
 
 
-def test_cache_key_changes_with_what_determines_the_model(monkeypatch):
+def test_cache_key_covers_the_corpus_and_the_recipe(tmp_path, monkeypatch):
+    """The key changes with the recipe and with the corpus' content, so a stale model is never reused."""
     key = zoo._digest(zoo.ARCHS["tiny-teacher"], zoo.RECIPES["tiny-teacher"])
-    monkeypatch.setitem(zoo.RECIPES, "tiny-teacher", {**zoo.RECIPES["tiny-teacher"], "steps": 1})
+    assert zoo._digest(zoo.ARCHS["tiny-teacher"], {**zoo.RECIPES["tiny-teacher"], "steps": 1}) != key
+    corpus = tmp_path / "kjv.txt"
+    corpus.write_bytes(zoo.EMBEDDED_CORPUS.read_bytes() + b"one more document\n")
+    monkeypatch.setattr(zoo, "EMBEDDED_CORPUS", corpus)
     assert zoo._digest(zoo.ARCHS["tiny-teacher"], zoo.RECIPES["tiny-teacher"]) != key

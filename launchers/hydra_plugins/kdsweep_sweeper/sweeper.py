@@ -64,7 +64,7 @@ class KdsweepOptunaSweeper(Sweeper):
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
         self._validate_points(base, space, sweep_dir)
         controller = Controller(settings, space, base, sweep_dir, LocalProcesses(settings.max_concurrent))
-        controller.manifest.data["command"] = sys.argv[1:]
+        controller.manifest.data["command"] = [redact(a) for a in sys.argv[1:]]  # never a password on disk
         controller.manifest.save()
         log.info("sweep %s: study %s on %s, %d trials, %d at a time, sampler %s, pruner %s", sweep_dir,
                  settings.study_name, redact(settings.storage) or "sqlite (sweep dir)", settings.n_trials,

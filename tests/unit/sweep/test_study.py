@@ -1,0 +1,85 @@
+"""Sweep building blocks: search-space parsing, storages, settings, the in-job trial handle."""
+
+import os
+
+import optuna
+import pytest
+
+from kdsweep.config import ConfigError
+from kdsweep.sweep import study as S
+from kdsweep.sweep.handle import TrialHandle
+from kdsweep.sweep.manifest import STORAGE_ENV, Manifest
+from kdsweep.sweep.space import parse_space
+
+
+def test_space_kinds():
+    space = {p.key: p for p in parse_space({
+        "kd_ratio": "interval(0.0,1.0)", "lr": "tag(log, interval(1e-5,1e-2))", "lora_rank": "choice(4,8,16)",
+        "train.max_steps": "range(20,100,20)", "data.seq_len": "interval(64,256)",
+    })}
+    assert space["kd_ratio"].distribution() == optuna.distributions.FloatDistribution(0.0, 1.0)
+    assert space["lr"].distribution().log
+    assert space["lora_rank"].distribution().choices == (4, 8, 16)
+    assert space["train.max_steps"].distribution() == optuna.distributions.IntDistribution(20, 80, step=20)
+    assert space["data.seq_len"].kind == "int"  # integer bounds on an int field: an integer space
+
+
+@pytest.mark.parametrize("params,message", [
+    ({}, "hydra.sweeper.params is empty"),
+    ({"kd_ratio": "interval(0,1)"}, "integer bounds make an integer space"),
+    ({"lr": "interval(0.01,0.001)"}, "the interval is empty"),
+    ({"lr": "tag(log, interval(0.0,1.0))"}, "log scale needs a positive lower bound"),
+    ({"lr": "0.1"}, "is a single value, not a search space"),
+])
+def test_space_mistakes_are_one_line(params, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        parse_space(params)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("sampler", "cmaes2", "hydra.sweeper.sampler='cmaes2' is unknown"),
+    ("pruner", "sometimes", "hydra.sweeper.pruner='sometimes' is unknown"),
+    ("max_concurrent", 0, "hydra.sweeper.max_concurrent=0"),
+    ("directions", ("minimize", "minimize"), "directions"),
+])
+def test_settings_mistakes(field, value, message):
+    with pytest.raises(ConfigError, match=message):
+        S.SweepSettings(**{field: value})
+
+
+def test_passwords_are_redacted():
+    assert S.redact("postgresql+psycopg2://kd:s3cr3t@db:5432/x") == "postgresql+psycopg2://kd:***@db:5432/x"
+    assert S.redact("postgresql://kd@db/x") == "postgresql://kd@db/x"
+
+
+def test_sqlite_on_nfs_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(S, "_filesystem_type", lambda path: "nfs4")
+    with pytest.raises(ConfigError, match="journal:///.*postgresql"):
+        S.make_storage(f"sqlite:///{tmp_path / 'x.db'}")
+
+
+def test_unreachable_storage_is_one_line_without_the_password(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        S.make_storage("sqlite:////no/such/dir/x.db")
+    assert "cannot be reached" in str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "journal"])
+def test_trial_handle_reports_and_prunes_through_the_storage(tmp_path, kind, monkeypatch):
+    url = f"sqlite:///{tmp_path / 'o.db'}" if kind == "sqlite" else f"journal://{tmp_path / 'j' / 'study.log'}"
+    settings = S.SweepSettings(study_name="h", storage=url, pruner="median", pruner_startup_trials=1)
+    Manifest.open(tmp_path, settings, [], [])
+    monkeypatch.setenv(STORAGE_ENV, url)
+    study = optuna.create_study(study_name="h", storage=S.make_storage(url), pruner=S.make_pruner(settings))
+    dist = {"x": optuna.distributions.FloatDistribution(0, 1)}
+    first = study.ask(dist)
+    for step, value in ((1, 1.0), (2, 0.5)):
+        first.report(value, step)
+    study.tell(first, 0.5)
+    second = study.ask(dist)
+    handle = TrialHandle(str(tmp_path), second.number)  # as a job would: from the sweep dir and the number
+    assert handle.report(1, 5.0) is True  # far worse than the completed trial's median at step 1
+    reloaded = optuna.load_study(study_name="h", storage=S.make_storage(url))
+    assert reloaded.trials[1].intermediate_values == {1: 5.0}
+    assert reloaded.trials[1].state == optuna.trial.TrialState.RUNNING  # only the controller tells states
