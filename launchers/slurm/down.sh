@@ -9,16 +9,7 @@ export SLURM_CONF="$ROOT/etc/slurm.conf"
 
 log() { echo "down.sh: $*" >&2; }
 
-# Same test as up.sh: pid from the file, not a zombie, still the expected program (not a reused pid).
-alive() {  # alive PIDFILE PROGRAM
-    local pid stat
-    pid="$(cat "$1" 2>/dev/null)" || return 1
-    [[ "$pid" =~ ^[0-9]+$ ]] || return 1
-    stat="$(cat "/proc/$pid/stat" 2>/dev/null)" || return 1
-    stat="${stat##*) }"
-    [[ "${stat%% *}" != Z ]] || return 1
-    [[ "$(tr '\0' '\n' <"/proc/$pid/cmdline" 2>/dev/null | head -n1)" == *"$2" ]]
-}
+source "$(dirname "${BASH_SOURCE[0]}")/alive.sh"
 
 # Cancel jobs first, so no job process outlives the daemons that manage it.
 if alive "$ROOT/run/slurmctld.pid" slurmctld; then

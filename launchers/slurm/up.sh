@@ -14,17 +14,7 @@ CPUS=8           # advertised, not real: several 2-task jobs can run at once on 
 
 log() { echo "up.sh: $*" >&2; }
 
-# Alive = the pid in the pid file exists, is not a zombie (stopped daemons can linger as zombies in sandboxes)
-# and still runs the expected program (guards against a reused pid). Never look processes up by name.
-alive() {  # alive PIDFILE PROGRAM
-    local pid stat
-    pid="$(cat "$1" 2>/dev/null)" || return 1
-    [[ "$pid" =~ ^[0-9]+$ ]] || return 1
-    stat="$(cat "/proc/$pid/stat" 2>/dev/null)" || return 1
-    stat="${stat##*) }"                     # the state follows "(comm) ", and comm may contain spaces
-    [[ "${stat%% *}" != Z ]] || return 1
-    [[ "$(tr '\0' '\n' <"/proc/$pid/cmdline" 2>/dev/null | head -n1)" == *"$2" ]]
-}
+source "$(dirname "${BASH_SOURCE[0]}")/alive.sh"
 
 # 1. Packages. No slurmdbd/MariaDB: the sacct shim answers submitit from scontrol instead.
 mkdir -p "$ROOT"/{etc,munge,log,run,bin,spool/ctld,spool/d}
