@@ -2,6 +2,7 @@
 
     kdsweep status <sweep dir>     the trials of a sweep: state, objective, params, best marked
     kdsweep resume <sweep dir>     continue a sweep after its controller died (same command, same directory)
+    kdsweep logs <sweep dir> <trial> [--rank N]   a trial's log (its job's output, or rank N's own log)
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-SUBCOMMANDS = ("status", "resume")
+SUBCOMMANDS = ("status", "resume", "logs")
 
 
 def _sweep_dir(args: list[str], command: str) -> Path:
@@ -41,13 +42,34 @@ def resume(args: list[str]) -> None:
     os.execv(sys.executable, argv)
 
 
+def logs(args: list[str]) -> None:
+    import argparse
+
+    from kdsweep.config.schema import ConfigError
+    from kdsweep.sweep.manifest import Manifest
+
+    parser = argparse.ArgumentParser(prog="kdsweep logs")
+    parser.add_argument("sweep_dir", type=Path)
+    parser.add_argument("trial", type=int)
+    parser.add_argument("--rank", type=int, default=None, help="a rank's own log (rank 0: kdsweep.log)")
+    ns = parser.parse_args(args)
+    trials = Manifest.load(ns.sweep_dir.resolve()).trials
+    if str(ns.trial) not in trials:
+        raise ConfigError(f"trial {ns.trial} is not in {ns.sweep_dir} (trials: {', '.join(sorted(trials, key=int)) or 'none'})")
+    run_dir = Path(trials[str(ns.trial)]["run_dir"])
+    path = {None: run_dir / "job.log", 0: run_dir / "kdsweep.log"}.get(ns.rank, run_dir / "logs" / f"rank{ns.rank}.log")
+    if not path.exists():
+        raise ConfigError(f"{path} does not exist (has trial {ns.trial} started; did it have rank {ns.rank}?)")
+    sys.stdout.write(path.read_text(errors="replace"))
+
+
 def main() -> None:
     args = sys.argv[1:]
     if args and args[0] in SUBCOMMANDS:
         from kdsweep.config.schema import ConfigError
 
         try:
-            {"status": status, "resume": resume}[args[0]](args[1:])
+            {"status": status, "resume": resume, "logs": logs}[args[0]](args[1:])
         except ConfigError as e:
             print(f"kdsweep: error: {e}", file=sys.stderr)
             raise SystemExit(2) from None

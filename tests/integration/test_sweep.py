@@ -68,6 +68,11 @@ def test_pruned_two_rank_trial_stops_on_every_rank(tmp_path, zoo_dirs):
     assert set(trials[0].intermediate_values) == {2, 4, 6, 8} and set(trials[1].intermediate_values) == {2}
     run = sweep_dir / "1"
     assert json.loads((run / "run.json").read_text())["status"] == "pruned"
+    rank1 = subprocess.run([sys.executable, "-m", "kdsweep", "logs", str(sweep_dir), "1", "--rank", "1"],
+                           capture_output=True, text=True)
+    assert rank1.returncode == 0 and "pruned at step 2" in rank1.stdout
+    missing = subprocess.run([sys.executable, "-m", "kdsweep", "logs", str(sweep_dir), "7"], capture_output=True, text=True)
+    assert missing.returncode == 2 and "trial 7 is not in" in missing.stderr
     for log in (run / "kdsweep.log", run / "logs" / "rank1.log"):
         assert "pruned at step 2 (checkpoint written)" in log.read_text(), log
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
