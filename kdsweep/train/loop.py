@@ -12,7 +12,7 @@ import torch
 
 from kdsweep.checkpoint import export as exporting
 from kdsweep.checkpoint import steps as checkpoints
-from kdsweep.config.schema import ConfigError, RunConfig
+from kdsweep.config.schema import ConfigError, DataConfig, DistConfig, RunConfig, StudentConfig
 from kdsweep.data.sampling import StepSampler
 from kdsweep.data.text import load_corpus, tokenize_to_sequences
 from kdsweep.distributed import DistEnv, device_for, single_process
@@ -93,7 +93,6 @@ def eval_batches_of_rank(
 
 def _warn_idle_knobs(cfg: RunConfig, dist: DistEnv) -> None:
     """Options that cannot act in this setting: say so instead of ignoring them silently."""
-    from kdsweep.config.schema import DataConfig, DistConfig, StudentConfig
 
     def changed(section: Any, default: Any, knob: str) -> bool:
         return getattr(section, knob) != getattr(default, knob)
