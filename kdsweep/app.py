@@ -57,6 +57,17 @@ def validate(raw: dict[str, Any]) -> RunConfig:
     return cfg
 
 
+def validate_composed(cfg: DictConfig, output_dir: str) -> RunConfig:
+    """Validate a config composed for a job that has not started (a grid point, a corner of a search space)."""
+    from omegaconf import open_dict
+
+    with open_dict(cfg):
+        cfg.pop("hydra", None)
+    raw = resolve(cfg)
+    raw["output_dir"] = output_dir
+    return validate(raw)
+
+
 def _setup_rank_logging(output_dir: str, rank: int) -> None:
     """Rank 0 logs to the console and ``kdsweep.log``; other ranks only to ``logs/rank<r>.log``.
 

@@ -50,9 +50,8 @@ class ValidateGrid(Callback):
         from hydra._internal.config_loader_impl import ConfigLoaderImpl
         from hydra._internal.utils import create_config_search_path
         from hydra.types import RunMode
-        from omegaconf import open_dict
 
-        from kdsweep.app import conf_dir, fail, resolve, validate
+        from kdsweep.app import conf_dir, fail, validate_composed
         from kdsweep.config.schema import ConfigError
 
         loader = ConfigLoaderImpl(config_search_path=create_config_search_path(conf_dir()))
@@ -60,11 +59,7 @@ class ValidateGrid(Callback):
         for i, point in enumerate(grid_points(config)):
             try:
                 cfg = loader.load_configuration("config", [*hydra_overrides, *point], RunMode.RUN)
-                with open_dict(cfg):
-                    del cfg["hydra"]
-                raw = resolve(cfg)
-                raw["output_dir"] = str(Path(str(config.hydra.sweep.dir)) / str(i))
-                validate(raw)
+                validate_composed(cfg, str(Path(str(config.hydra.sweep.dir)) / str(i)))
             except ConfigError as e:
                 fail(f"grid point {i} ({' '.join(point)}): {e}", None)
 

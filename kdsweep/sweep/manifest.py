@@ -61,8 +61,7 @@ class Manifest:
     def settings(self) -> SweepSettings:
         s = dict(self.data["settings"])
         s["storage"] = os.environ.get(STORAGE_ENV) or s["storage"]
-        s["objectives"], s["directions"], s["enqueue"] = tuple(s["objectives"]), tuple(s["directions"]), tuple(s["enqueue"])
-        return SweepSettings(**s)
+        return SweepSettings.from_plain(s)
 
     @property
     def trials(self) -> dict[str, dict[str, Any]]:

@@ -68,6 +68,12 @@ class SweepSettings:
         )
         _check(self.retries >= 0, f"hydra.sweeper.retries={self.retries} must be >= 0")
 
+    @classmethod
+    def from_plain(cls, values: dict[str, Any]) -> "SweepSettings":
+        """From plain data (Hydra's container, the manifest's JSON), where tuples arrive as lists."""
+        tuples = {k: tuple(values.get(k) or ()) for k in ("objectives", "directions", "enqueue") if k in values}
+        return cls(**{**values, **tuples})
+
     @property
     def multi_objective(self) -> bool:
         return len(self.objectives) > 1

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, List
 
 from hydra.plugins.sweeper import Sweeper
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +49,7 @@ class KdsweepOptunaSweeper(Sweeper):
         # travel with it; the sweep's own (sweeper, launcher, directories) stay here.
         own = ("hydra.sweep", "hydra.sweeper", "hydra/sweeper", "hydra.launcher", "hydra/launcher", "hydra.run", "hydra.mode")
         base += [o for o in self.config.hydra.overrides.hydra if not str(o).lstrip("+~").startswith(own)]
-        settings_raw["objectives"] = tuple(settings_raw["objectives"])
-        settings_raw["directions"] = tuple(settings_raw["directions"])
-        settings_raw["enqueue"] = tuple(settings_raw["enqueue"] or ())
-        settings = SweepSettings(**settings_raw, params=params)
+        settings = SweepSettings.from_plain({**settings_raw, "params": params})
         space = parse_space(params)
         launcher = str(OmegaConf.select(self.config, "hydra.launcher._target_", default=""))
         if "BasicLauncher" not in launcher:
@@ -75,16 +72,12 @@ class KdsweepOptunaSweeper(Sweeper):
 
     def _validate_points(self, base: list, space: list, sweep_dir: Path) -> None:
         """Every corner of the space (both ends of each range, every choice) must make a valid job."""
-        from kdsweep.app import resolve, validate
+        from kdsweep.app import validate_composed
 
         points = [[]] + [[f"{p.key}={v}"] for p in space for v in p.corners()]
         for extra in points:
             cfg = self.hydra_context.config_loader.load_sweep_config(self.config, [*base, *extra])
-            with open_dict(cfg):
-                del cfg["hydra"]
-            raw = resolve(cfg)
-            raw["output_dir"] = str(sweep_dir / "validation")
-            validate(raw)
+            validate_composed(cfg, str(sweep_dir / "validation"))
 
 
 def _value_text(override: Any) -> str:
