@@ -56,11 +56,19 @@ def logs(args: list[str]) -> None:
     trials = Manifest.load(ns.sweep_dir.resolve()).trials
     if str(ns.trial) not in trials:
         raise ConfigError(f"trial {ns.trial} is not in {ns.sweep_dir} (trials: {', '.join(sorted(trials, key=int)) or 'none'})")
-    run_dir = Path(trials[str(ns.trial)]["run_dir"])
-    path = {None: run_dir / "job.log", 0: run_dir / "kdsweep.log"}.get(ns.rank, run_dir / "logs" / f"rank{ns.rank}.log")
-    if not path.exists():
-        raise ConfigError(f"{path} does not exist (has trial {ns.trial} started; did it have rank {ns.rank}?)")
-    sys.stdout.write(path.read_text(errors="replace"))
+    entry = trials[str(ns.trial)]
+    run_dir = Path(entry["run_dir"])
+    if ns.rank is None:  # the job's own output: job.log of a local process, submitit's stdout and stderr on SLURM
+        paths = [Path(p) for p in (entry.get("job") or {}).get("logs", [run_dir / "job.log"])]
+    else:
+        paths = [run_dir / "kdsweep.log" if ns.rank == 0 else run_dir / "logs" / f"rank{ns.rank}.log"]
+    missing = [p for p in paths if not p.exists()]
+    if missing:
+        raise ConfigError(f"{missing[0]} does not exist (has trial {ns.trial} started; did it have rank {ns.rank}?)")
+    for path in paths:
+        if len(paths) > 1:
+            sys.stdout.write(f"==> {path} <==\n")
+        sys.stdout.write(path.read_text(errors="replace"))
 
 
 def main() -> None:

@@ -30,10 +30,12 @@ class Backend(Protocol):
     """Where trial jobs run."""
 
     def start(self, args: list[str], run_dir: Path) -> dict[str, Any]:
-        """Start ``python -m kdsweep ARGS``; return what identifies the job (saved in the manifest)."""
+        """Start ``python -m kdsweep ARGS``; return what identifies the job (saved in the manifest), with
+        ``logs``: the files its output goes to."""
 
     def poll(self, job: dict[str, Any]) -> int | None | str:
-        """None while running; else the exit code, or "gone" for a job that vanished (exit code unknown)."""
+        """None while running; else the exit code, or a word for a job that ended without one: "gone" (it
+        vanished) or the scheduler's state ("CANCELLED", "TIMEOUT", ...)."""
 
 
 class LocalProcesses:
@@ -52,7 +54,7 @@ class LocalProcesses:
             proc = subprocess.Popen([sys.executable, "-m", "kdsweep", *args], stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True, env={**self._env, STORAGE_ENV: os.environ[STORAGE_ENV]})
         self._procs[proc.pid] = proc
-        return {"pid": proc.pid}
+        return {"pid": proc.pid, "logs": [str(run_dir / "job.log")]}
 
     def poll(self, job: dict[str, Any]) -> int | None | str:
         proc = self._procs.get(job["pid"])
@@ -73,24 +75,27 @@ class Outcome:
     reason: str = ""
 
 
-def judge(run_dir: Path, exit_code: int | str, objectives: tuple[str, ...], attempts: int, retries: int) -> Outcome:
-    """What a finished job means for its trial, from its exit code and its run.json."""
+def judge(run_dir: Path, exit_code: int | str, objectives: tuple[str, ...], attempts: int, retries: int,
+          logs: list[str] = ()) -> Outcome:
+    """What a finished job means for its trial, from its exit code (or scheduler state) and its run.json."""
     record_path = run_dir / "run.json"
     record = json.loads(record_path.read_text()) if record_path.exists() else {}
     status = record.get("status")
-    if status == "completed" and exit_code in (0, "gone"):
+    if status == "completed" and (exit_code == 0 or isinstance(exit_code, str)):
         values = [float((record.get("eval_after") or {}).get(o, float("nan"))) for o in objectives]
         if not all(math.isfinite(v) for v in values):
             return Outcome("FAIL", reason=f"the objective is not finite: {values}")
         return Outcome("COMPLETE", values=values)
     if status == "pruned":
         return Outcome("PRUNED")
-    killed = (isinstance(exit_code, int) and exit_code < 0) or (exit_code == "gone" and status in (None, "running", "preempted"))
+    # a signal, or an end the job did not choose (vanished, cancelled, timed out, node failure) mid-run
+    killed = (isinstance(exit_code, int) and exit_code < 0) or (isinstance(exit_code, str) and status in (None, "running", "preempted"))
     if killed or status == "preempted":
         if attempts <= retries:
             return Outcome("RETRY", reason=f"the job was interrupted (exit {exit_code}); restarting it")
         return Outcome("FAIL", reason=f"the job was interrupted {attempts} times (last exit {exit_code}); retries exhausted")
-    reason = record.get("error") or _last_error_line(run_dir / "job.log") or f"the job exited with {exit_code}"
+    reason = (record.get("error") or next(filter(None, (_last_error_line(Path(p)) for p in reversed(logs))), "")
+              or f"the job exited with {exit_code}")
     return Outcome("FAIL", reason=reason[:500])
 
 
@@ -151,7 +156,8 @@ class Controller:
         from optuna.trial import TrialState
 
         entry = self.manifest.trial(number)
-        outcome = judge(Path(entry["run_dir"]), exit_code, self.settings.objectives, entry["attempts"], self.settings.retries)
+        outcome = judge(Path(entry["run_dir"]), exit_code, self.settings.objectives, entry["attempts"],
+                        self.settings.retries, entry["job"].get("logs", []))
         if outcome.state == "RETRY":
             log.warning("trial %d: %s", number, outcome.reason)
             self._start(number)
