@@ -142,7 +142,7 @@ class Controller:
         job = self.backend.start(entry["args"], Path(entry["run_dir"]))
         self.manifest.put(number, state="RUNNING", job=job, attempts=entry.get("attempts", 0) + 1,
                           started=entry.get("started") or time.time(), last_start=time.time())
-        log.info("trial %d started (%s): %s", number, job, " ".join(f"{k}={v}" for k, v in entry["params"].items()))
+        log.info("trial %d started (%s): %s", number, job_name(job), " ".join(f"{k}={v}" for k, v in entry["params"].items()))
 
     def _ask_and_start(self) -> None:
         trial = self.study.ask(self.distributions)
@@ -194,17 +194,26 @@ class Controller:
         return self.manifest
 
 
+def job_name(job: dict[str, Any] | None) -> str:
+    if not job:
+        return "-"
+    return f"slurm {job['slurm_job_id']}" if "slurm_job_id" in job else f"pid {job['pid']}"
+
+
 def summary_lines(manifest: Manifest) -> list[str]:
-    """A table of the sweep's trials, best marked."""
+    """A table of the sweep's trials (state, objective, job, duration, params, output dir), best marked."""
     trials = sorted(manifest.trials.values(), key=lambda e: e["number"])
     done = [t for t in trials if t["state"] == "COMPLETE"]
     best = min(done, key=lambda t: t["values"][0])["number"] if done and len(done[0]["values"]) == 1 else None
-    lines = [f"{'trial':>5}  {'state':<8} {'objective':>10}  params"]
+    lines = [f"{'trial':>5}  {'state':<8} {'objective':>10}  {'job':<12} {'time':>6}  params  (output dir)"]
     for t in trials:
         objective = ",".join(f"{v:.4f}" for v in t["values"]) if t.get("values") else "-"
+        seconds = (t.get("ended") or time.time()) - t["started"] if t.get("started") else None
+        duration = "-" if seconds is None else f"{seconds:.0f}s" if seconds < 600 else f"{seconds / 60:.0f}m"
         mark = "  <- best" if t["number"] == best else ""
         params = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in t["params"].items())
-        lines.append(f"{t['number']:>5}  {t['state']:<8} {objective:>10}  {params}{mark}"
+        lines.append(f"{t['number']:>5}  {t['state']:<8} {objective:>10}  {job_name(t.get('job')):<12} {duration:>6}  "
+                     f"{params}  ({t['run_dir']}){mark}"
                      + (f"  ({t['reason']})" if t.get("reason") and t["state"] == "FAIL" else ""))
     return lines
 

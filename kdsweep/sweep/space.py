@@ -55,7 +55,7 @@ class Param:
 
     def describe(self) -> dict[str, Any]:
         """A JSON-able description: what a resumed sweep compares to refuse a changed space."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if v not in (None, (), False)}
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None and v is not False and v != ()}
 
 
 def field_type(key: str) -> Any:

@@ -32,8 +32,7 @@ class KdsweepOptunaSweeper(Sweeper):
     def _sweep(self, arguments: List[str]) -> Any:
         from hydra.core.override_parser.overrides_parser import OverridesParser
 
-        from kdsweep.config.schema import ConfigError
-        from kdsweep.sweep.controller import Controller, LocalProcesses, summary_lines
+        from kdsweep.sweep.controller import Controller, summary_lines
         from kdsweep.sweep.space import parse_space
         from kdsweep.sweep.study import SweepSettings, redact
 
@@ -51,16 +50,10 @@ class KdsweepOptunaSweeper(Sweeper):
         base += [o for o in self.config.hydra.overrides.hydra if not str(o).lstrip("+~").startswith(own)]
         settings = SweepSettings.from_plain({**settings_raw, "params": params})
         space = parse_space(params)
-        launcher = str(OmegaConf.select(self.config, "hydra.launcher._target_", default=""))
-        if "BasicLauncher" not in launcher:
-            raise ConfigError(
-                f"hparams_search runs trials as local processes so far; hydra.launcher={launcher.rsplit('.', 1)[-1]} "
-                "is not supported by kdsweep's sweeper yet: drop hydra/launcher=... (SLURM grids work without "
-                "hparams_search)"
-            )
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
+        backend = self._backend(settings)
         self._validate_points(base, space, sweep_dir)
-        controller = Controller(settings, space, base, sweep_dir, LocalProcesses(settings.max_concurrent))
+        controller = Controller(settings, space, base, sweep_dir, backend)
         controller.manifest.data["command"] = [redact(a) for a in sys.argv[1:]]  # never a password on disk
         controller.manifest.save()
         log.info("sweep %s: study %s on %s, %d trials, %d at a time, sampler %s, pruner %s", sweep_dir,
@@ -69,6 +62,24 @@ class KdsweepOptunaSweeper(Sweeper):
         manifest = controller.run()
         print("\n".join([f"sweep {sweep_dir} (study {settings.study_name}):", *summary_lines(manifest)]), flush=True)
         return manifest
+
+    def _backend(self, settings: Any) -> Any:
+        """Where trials run: local processes (basic launcher) or SLURM jobs driven from the launcher's settings."""
+        from kdsweep.config.schema import ConfigError
+        from kdsweep.sweep.controller import LocalProcesses
+        from kdsweep.sweep.slurm import SlurmJobs
+
+        launcher = str(OmegaConf.select(self.config, "hydra.launcher._target_", default=""))
+        if launcher.endswith(".BasicLauncher"):
+            return LocalProcesses(settings.max_concurrent)
+        if launcher.endswith(".SlurmLauncher"):
+            jobs = SlurmJobs(OmegaConf.to_container(self.config.hydra.launcher, resolve=True), settings.study_name)
+            jobs.preflight()
+            return jobs
+        raise ConfigError(
+            f"hydra.launcher={launcher.rsplit('.', 1)[-1]} cannot run kdsweep's trials: use hydra/launcher=basic "
+            "(local processes; dist.nproc_per_node=N for ranks) or hydra/launcher=submitit_slurm"
+        )
 
     def _validate_points(self, base: list, space: list, sweep_dir: Path) -> None:
         """Every corner of the space (both ends of each range, every choice) must make a valid job."""

@@ -22,6 +22,8 @@ def test_space_kinds():
     assert space["lora_rank"].distribution().choices == (4, 8, 16)
     assert space["train.max_steps"].distribution() == optuna.distributions.IntDistribution(20, 80, step=20)
     assert space["data.seq_len"].kind == "int"  # integer bounds on an int field: an integer space
+    # the saved description (what resume compares) keeps a bound of 0
+    assert space["kd_ratio"].describe() == {"key": "kd_ratio", "kind": "float", "low": 0.0, "high": 1.0}
 
 
 @pytest.mark.parametrize("params,message", [

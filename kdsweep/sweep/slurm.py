@@ -1,0 +1,143 @@
+"""Trials as SLURM jobs (``hydra/launcher=submitit_slurm``): submitit submits, ``sacct`` says how each one is.
+
+The controller drives submitit itself with the launcher's settings (partition, tasks, GPUs, time,
+``additional_parameters``, ``setup``), one job per trial, so a trial is a multi-rank job: every SLURM task runs
+``TrialJob``, which is the kdsweep app on the trial's arguments, and each task is one rank. A job warned of its
+time limit or preemption (USR2) writes a checkpoint and submitit requeues it; a job requeued by SLURM
+(``scontrol requeue``, preemption) reruns the same callable. Either way it keeps its job id and resumes from its
+checkpoint in the trial's directory: it stays the same trial. Job states come from SLURM, not from result files,
+so a job that crashed, was cancelled or timed out is seen even when it wrote nothing.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kdsweep.config.schema import ConfigError
+
+# States after which SLURM will not run the job again (a REQUEUED or PENDING job is still on its way).
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
+         "DEADLINE")
+
+
+class TrialJob:
+    """What every task of a trial's SLURM job runs: ``python -m kdsweep ARGS``, in-process."""
+
+    def __call__(self, args: list[str]) -> None:
+        from kdsweep.app import main
+
+        sys.argv = ["kdsweep", *args]
+        main()
+
+    def checkpoint(self, args: list[str]) -> Any:
+        """submitit's requeue hook: run the same arguments again (the job resumes from its own checkpoint)."""
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(self, args)
+
+
+def executor_for(launcher: dict[str, Any]) -> Any:
+    """A submitit SLURM executor from ``hydra.launcher``'s settings, read as hydra-submitit-launcher reads them."""
+    import submitit
+    from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+    from omegaconf import OmegaConf
+
+    params = {k: v for k, v in launcher.items() if k != "_target_"}
+    executor = submitit.AutoExecutor(folder=params.pop("submitit_folder"), cluster="slurm",
+                                     slurm_max_num_timeout=params.pop("max_num_timeout"))
+    common = set(OmegaConf.structured(BaseQueueConf).keys())
+    executor.update_parameters(**{k if k in common else f"slurm_{k}": v for k, v in params.items()})
+    return executor
+
+
+def slurm_states(job_ids: list[str]) -> dict[str, tuple[str, str]] | None:
+    """``{job id: (state, exit code)}`` from sacct (a requeued job's last record wins); None if sacct failed."""
+    try:
+        out = subprocess.run(["sacct", "-X", "--parsable2", "--noheader", "-o", "JobID,State,ExitCode",
+                              "-j", ",".join(job_ids)], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    states = {}
+    for line in out.stdout.splitlines():
+        parts = line.split("|")
+        if len(parts) == 3:
+            states[parts[0]] = (parts[1].split()[0] if parts[1] else "UNKNOWN", parts[2])
+    return states
+
+
+class SlurmJobs:
+    """The controller's backend for SLURM: ``start`` submits a trial's job, ``poll`` reads its state."""
+
+    MISSING_POLLS = 30  # sacct answered this often without the job: it is gone (purged, or lost)
+
+    def __init__(self, launcher: dict[str, Any], study_name: str, refresh_s: float = 2.0) -> None:
+        self.launcher, self.study_name, self.refresh_s = launcher, study_name, refresh_s
+        self._executor = None
+        self._known: dict[str, tuple[str, str]] = {}
+        self._missing: dict[str, int] = {}
+        self._when = 0.0
+
+    def preflight(self) -> None:
+        """Ask sbatch (``--test-only``: nothing is submitted) whether it would take a job with these settings."""
+        import tempfile
+
+        from submitit.slurm.slurm import _make_sbatch_string
+
+        self._executor = self._executor or executor_for(self.launcher)
+        with tempfile.TemporaryDirectory() as tmp:
+            script = Path(tmp) / "check.sh"
+            script.write_text(_make_sbatch_string(command="true", folder=tmp, **self._executor._executor.parameters))
+            try:
+                out = subprocess.run(["sbatch", "--test-only", str(script)], capture_output=True, text=True, timeout=60)
+            except FileNotFoundError:
+                raise ConfigError("hydra/launcher=submitit_slurm but sbatch is not on PATH: run the sweep on a "
+                                  "SLURM login node (or bring up launchers/slurm/up.sh)") from None
+        if out.returncode != 0:
+            lines = [line for line in out.stderr.strip().splitlines() if line.strip()] or [f"exit {out.returncode}"]
+            raise ConfigError(f"SLURM refuses the trials' jobs ({lines[-1][:300]}); check hydra.launcher "
+                              "(partition, time, resources)")
+
+    def start(self, args: list[str], run_dir: Path) -> dict[str, Any]:
+        import submitit
+
+        self._executor = self._executor or executor_for(self.launcher)
+        number = run_dir.name  # the trial's number
+        self._executor.update_parameters(name=f"{self.study_name}-{number}")
+        try:
+            job = self._executor.submit(TrialJob(), args)
+        except (subprocess.CalledProcessError, submitit.core.utils.FailedJobError) as e:
+            detail = (getattr(e, "stderr", None) or getattr(e, "output", None) or str(e))
+            detail = detail.decode(errors="replace") if isinstance(detail, bytes) else str(detail)
+            raise ConfigError(f"sbatch refused trial {number}'s job ({detail.strip().splitlines()[-1][:300]}); "
+                              "check hydra.launcher (partition, time, resources)") from None
+        self._when = 0.0  # see the new job at the next poll
+        return {"slurm_job_id": str(job.job_id), "logs": [str(job.paths.stdout), str(job.paths.stderr)]}
+
+    def poll(self, job: dict[str, Any]) -> int | None | str:
+        job_id = job["slurm_job_id"]
+        self._missing.setdefault(job_id, 0)
+        if time.time() - self._when > self.refresh_s:  # one sacct call for every job in flight
+            known = slurm_states(sorted(self._missing))
+            if known is not None:  # sacct failed: ask again at the next poll
+                self._known = known
+                self._missing = {j: 0 if j in known else n + 1 for j, n in self._missing.items()}
+            self._when = time.time()
+        if self._missing[job_id] >= self.MISSING_POLLS:
+            del self._missing[job_id]
+            return "gone"
+        state, exit_code = self._known.get(job_id, ("", ""))
+        if state not in ENDED:
+            return None  # pending, running, requeued, or not listed yet
+        del self._missing[job_id]
+        if state == "COMPLETED":
+            return 0
+        if state == "FAILED":
+            code = exit_code.split(":")[0]
+            return int(code) if code.isdigit() and code != "0" else 1
+        return state  # cancelled, timed out, node failure ...: the job did not end on its own
