@@ -3,6 +3,8 @@
     kdsweep status <sweep dir>     the trials of a sweep: state, objective, params, best marked
     kdsweep resume <sweep dir>     continue a sweep after its controller died (same command, same directory)
     kdsweep logs <sweep dir> <trial> [--rank N]   a trial's log (its job's output, or rank N's own log)
+    kdsweep dashboard <sweep dir> [--host H] [--port P]   the study in optuna-dashboard (a database password:
+                                   set KDSWEEP_STORAGE_URL to the full URL)
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-SUBCOMMANDS = ("status", "resume", "logs")
+SUBCOMMANDS = ("status", "resume", "logs", "dashboard")
 
 
 def _sweep_dir(args: list[str], command: str) -> Path:
@@ -71,13 +73,26 @@ def logs(args: list[str]) -> None:
         sys.stdout.write(path.read_text(errors="replace"))
 
 
+def dashboard(args: list[str]) -> None:
+    import argparse
+
+    from kdsweep.sweep.dashboard import serve
+
+    parser = argparse.ArgumentParser(prog="kdsweep dashboard", description="Serve the sweep's study in optuna-dashboard.")
+    parser.add_argument("sweep_dir", type=Path)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8080)
+    ns = parser.parse_args(args)
+    serve(ns.sweep_dir.resolve(), ns.host, ns.port)
+
+
 def main() -> None:
     args = sys.argv[1:]
     if args and args[0] in SUBCOMMANDS:
         from kdsweep.config.schema import ConfigError
 
         try:
-            {"status": status, "resume": resume, "logs": logs}[args[0]](args[1:])
+            {"status": status, "resume": resume, "logs": logs, "dashboard": dashboard}[args[0]](args[1:])
         except ConfigError as e:
             print(f"kdsweep: error: {e}", file=sys.stderr)
             raise SystemExit(2) from None

@@ -53,3 +53,32 @@ def slurm_cluster():
         mp.setenv("SLURM_CONF", conf)
         mp.setenv("PATH", path)
         yield SLURM_ROOT
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """The real PostgreSQL server of launchers/postgres, up (idempotently); yields the URL of its `kdsweep`
+    database, password included (TCP logins need it)."""
+    up = subprocess.run(["bash", str(REPO / "launchers/postgres/up.sh")], capture_output=True, text=True, timeout=600)
+    assert up.returncode == 0, f"launchers/postgres/up.sh failed:\n{up.stderr}"
+    env = dict(line.split("=", 1) for line in up.stdout.splitlines() if "=" in line)
+    yield env["KDSWEEP_TEST_PG_URL"]
+
+
+def tiny_sweep(tmp_path: Path, study_name: str, *args: str, check: bool = True):
+    """A real 2-trial Optuna sweep of 2-step jobs in ``tmp_path/sweep`` (study ``study_name``); ARGS are extra
+    overrides. Returns the sweep directory and the finished process."""
+    import yaml
+
+    body = {"defaults": [{"override /hydra/sweeper": "kdsweep_optuna"}],
+            "train": {"eval_every": 2, "max_steps": 2}, "logger": {"progress_bar": False},
+            "checkpoint": {"save_every": 0, "export_adapter": False, "export_merged": False},
+            "hydra": {"sweeper": {"study_name": study_name, "poll_s": 0.2, "n_trials": 2, "max_concurrent": 2,
+                                  "sampler": "random", "pruner": "none", "params": {"kd_ratio": "interval(0.0,1.0)"}}}}
+    conf = tmp_path / "conf" / "hparams_search"
+    conf.mkdir(parents=True, exist_ok=True)
+    (conf / f"{study_name}.yaml").write_text("# @package _global_\n" + yaml.safe_dump(body))
+    sweep_dir = tmp_path / "sweep"
+    proc = kdsweep("-m", f"hparams_search={study_name}", f"hydra.searchpath=[file://{tmp_path / 'conf'}]",
+                   f"hydra.sweep.dir={sweep_dir}", *QUIET, *args, cwd=tmp_path, check=check)
+    return sweep_dir, proc

@@ -1,0 +1,132 @@
+"""Sweeps on the storages a cluster uses: a real PostgreSQL server (password required) and a journal file.
+
+A password given in the storage URL must never reach a file, a log or a printed line.
+"""
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import optuna
+import pytest
+
+from conftest import tiny_sweep
+
+pytestmark = pytest.mark.slow
+
+
+def fresh_database(server_url: str, name: str) -> str:
+    """Drop and create database ``name`` on the server (the role may create databases); its URL."""
+    import psycopg2
+
+    conn = psycopg2.connect(server_url.replace("+psycopg2", ""))
+    conn.autocommit = True  # CREATE DATABASE cannot run in a transaction
+    with conn.cursor() as cur:
+        cur.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        cur.execute(f"CREATE DATABASE {name}")
+    conn.close()
+    return server_url.rsplit("/", 1)[0] + f"/{name}"
+
+
+def password_of(url: str) -> str:
+    return re.match(r"[^:]+://[^:/@]+:([^@/]+)@", url).group(1)
+
+
+def files_holding(root: Path, secret: str) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def without_storage_env() -> dict:
+    return {k: v for k, v in os.environ.items() if k != "KDSWEEP_STORAGE_URL"}
+
+
+def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kdsweep", *args], capture_output=True, text=True, timeout=120,
+                          env=env or without_storage_env())
+
+
+def check_completed(study: optuna.Study, sweep_dir: Path) -> None:
+    """Both trials COMPLETE in the storage, with the values the controller saw."""
+    trials = study.get_trials()
+    assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"]
+    manifest = json.loads((sweep_dir / "sweep.json").read_text())["trials"]
+    for t in trials:
+        assert t.value == pytest.approx(manifest[str(t.number)]["values"][0]) and 0 < t.value < 20
+        assert set(t.params) == {"kd_ratio"}
+    assert not (sweep_dir / "optuna.db").exists(), "the study must live in the given storage, not SQLite"
+    status = cli("status", str(sweep_dir))
+    assert status.returncode == 0 and status.stdout.count("COMPLETE") == 2 and "<- best" in status.stdout, status.stderr
+
+
+def test_postgresql_storage_with_a_password(tmp_path, zoo_dirs, postgres_server):
+    url = fresh_database(postgres_server, "kdsweep_test_storages")
+    secret = password_of(url)
+    sweep_dir, proc = tiny_sweep(tmp_path, "pg_study", f"hydra.sweeper.storage={url}")
+
+    check_completed(optuna.load_study(study_name="pg_study", storage=url), sweep_dir)
+    assert "kdsweep:***@127.0.0.1" in cli("status", str(sweep_dir)).stdout
+    # Nowhere on disk (sweep.json, run.json, logs, Hydra's saved configs, checkpoints) and nowhere printed.
+    assert files_holding(tmp_path, secret) == []
+    assert secret not in proc.stdout + proc.stderr
+
+    # The dashboard reads the same study; without the password it says how to give it.
+    no_pw = cli("dashboard", str(sweep_dir), "--port", str(free_port()))
+    assert no_pw.returncode == 2 and no_pw.stderr.count("\n") == 1 and "set KDSWEEP_STORAGE_URL" in no_pw.stderr
+    other = cli("dashboard", str(sweep_dir), env={**os.environ, "KDSWEEP_STORAGE_URL": url + "_other"})
+    assert other.returncode == 2 and other.stderr.count("\n") == 1 and "is not the storage of" in other.stderr
+    assert secret not in other.stderr
+    port = free_port()
+    dash = subprocess.Popen([sys.executable, "-m", "kdsweep", "dashboard", str(sweep_dir), "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "KDSWEEP_STORAGE_URL": url})
+    try:
+        deadline = time.time() + 60
+        while True:
+            assert dash.poll() is None and time.time() < deadline, "kdsweep dashboard did not answer"
+            try:
+                body = urllib.request.urlopen(f"http://127.0.0.1:{port}/api/studies", timeout=5).read().decode()
+                break
+            except OSError:
+                time.sleep(0.3)
+        assert '"study_name": "pg_study"' in body
+    finally:
+        dash.terminate()
+        dash.wait(timeout=30)
+
+
+def test_journal_file_storage(tmp_path, zoo_dirs):
+    journal = tmp_path / "journal" / "study.log"
+    sweep_dir, _ = tiny_sweep(tmp_path, "journal_study", f"hydra.sweeper.storage=journal://{journal}")
+    from optuna.storages.journal import JournalFileBackend
+
+    storage = optuna.storages.JournalStorage(JournalFileBackend(str(journal)))
+    check_completed(optuna.load_study(study_name="journal_study", storage=storage), sweep_dir)
+
+
+@pytest.mark.parametrize("case", ["closed_port", "wrong_password"])
+def test_an_unusable_database_is_one_line_without_the_password(case, tmp_path, request):
+    if case == "closed_port":
+        url, secret = f"postgresql+psycopg2://kdsweep:s3cret-pw-7@127.0.0.1:{free_port()}/kdsweep", "s3cret-pw-7"
+    else:  # the server is up, so this also shows that it really asks for the password
+        server = request.getfixturevalue("postgres_server")
+        url, secret = re.sub(r":[^:@/]+@", ":wrong-pw-7@", server), "wrong-pw-7"
+    sweep_dir, proc = tiny_sweep(tmp_path, "unreachable", f"hydra.sweeper.storage={url}", check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("kdsweep: error:") and "cannot be reached" in lines[0]
+    assert "kdsweep:***@127.0.0.1" in lines[0]
+    assert ("Connection refused" if case == "closed_port" else "password authentication failed") in lines[0]
+    assert secret not in proc.stdout + proc.stderr and files_holding(tmp_path, secret) == []
+    assert not any(p.is_dir() and p.name.isdigit() for p in sweep_dir.glob("*")), "no trial may start"
