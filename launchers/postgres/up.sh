@@ -58,6 +58,11 @@ alive() {
     [[ "${stat%% *}" != Z ]] || return 1
     [[ "$(tr '\0' '\n' <"/proc/$pid/cmdline" 2>/dev/null | head -n 1)" == *postgres ]]
 }
+running_port="$(sed -n 4p "$DATA/postmaster.pid" 2>/dev/null || true)"
+if alive && [[ "$running_port" != "$PORT" ]]; then
+    log "the server under $ROOT already runs on port $running_port, not $PORT: stop it with down.sh first"
+    exit 1
+fi
 if ! alive; then
     log "starting postgres on 127.0.0.1:$PORT (log: $ROOT/log/postgres.log)"
     if ! as_postgres "$BIN/pg_ctl" -D "$DATA" -l "$ROOT/log/postgres.log" -w -t 60 \
