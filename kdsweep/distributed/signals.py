@@ -5,6 +5,10 @@ Stopping mid-step would lose the step and could leave ranks disagreeing, so the 
 the loop checks it after each optimizer step (agreed across ranks), writes a checkpoint, and returns. Then
 ``handover`` gives the signal to whoever handled it before kdsweep (submitit's handler requeues the job and
 exits); with no such handler, rank 0 requeues the SLURM job itself.
+
+Inside a SLURM job, SIGTERM is watched too: SLURM sends it when it preempts or requeues a job (``scontrol
+requeue``), cancels it or ends it at its time limit, and kills it KillWait (or GraceTime) seconds later. The job
+writes its checkpoint at the next step boundary and exits; SLURM itself decides whether the job runs again.
 """
 
 from __future__ import annotations
@@ -19,26 +23,35 @@ log = logging.getLogger(__name__)
 
 
 class PreemptionWatch:
-    """Catch ``signum`` while installed; ``requested`` says whether it arrived."""
+    """Catch USR2 (and SIGTERM inside a SLURM job) while installed; ``requested`` says whether one arrived."""
 
-    def __init__(self, signum: int = signal.SIGUSR2) -> None:
-        self.signum = signum
-        self.requested = False
-        self._previous = signal.signal(signum, self._on_signal)
+    def __init__(self) -> None:
+        signums = [signal.SIGUSR2] + ([signal.SIGTERM] if "SLURM_JOB_ID" in os.environ else [])
+        self.received: int | None = None
+        self._previous = {s: signal.signal(s, self._on_signal) for s in signums}
+
+    @property
+    def requested(self) -> bool:
+        return self.received is not None
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if not self.requested:
+        if self.received is None:
             log.warning("received %s: stopping after this step to write a checkpoint", signal.Signals(signum).name)
-        self.requested = True
+            self.received = signum
 
     def restore(self) -> None:
-        signal.signal(self.signum, self._previous)
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
 
     def handover(self, rank: int) -> None:
         """After the checkpoint: let the previous handler (submitit's) requeue and exit, or requeue ourselves."""
         self.restore()
-        if callable(self._previous):
-            self._previous(self.signum, None)
+        if self.received == signal.SIGTERM:
+            log.info("stopped at SIGTERM: SLURM requeues the job or ends it")
+            return
+        previous = self._previous[signal.SIGUSR2]
+        if callable(previous):
+            previous(signal.SIGUSR2, None)
             return
         job = os.environ.get("SLURM_JOB_ID")
         if rank == 0 and job:

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from kdsweep.sweep.manifest import FINAL, STORAGE_ENV, Manifest
+from kdsweep.sweep.manifest import FINAL, STORAGE_ENV, Manifest, connect_url
 from kdsweep.sweep.space import Param
-from kdsweep.sweep.study import SweepSettings, make_pruner, make_sampler, make_storage, storage_url
+from kdsweep.sweep.study import SweepSettings, make_pruner, make_sampler, make_storage
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class Controller:
         self.settings, self.space, self.base, self.sweep_dir, self.backend = settings, space, base_overrides, sweep_dir, backend
         sweep_dir.mkdir(parents=True, exist_ok=True)
         self.manifest = Manifest.open(sweep_dir, settings, [p.describe() for p in space], base_overrides)
-        url = storage_url(settings, sweep_dir)
+        url = connect_url(settings, sweep_dir)  # a resumed command holds user:***@: the password from the env
         os.environ[STORAGE_ENV] = url  # jobs get the storage (and any password) from their environment only
         self.study = optuna.create_study(
             study_name=settings.study_name, storage=make_storage(url), load_if_exists=True,

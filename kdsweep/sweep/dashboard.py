@@ -7,12 +7,12 @@ from the environment (KDSWEEP_STORAGE_URL, the full URL), as it does for the swe
 from __future__ import annotations
 
 import errno
+import os
 import socket
-from dataclasses import replace
 from pathlib import Path
 
 from kdsweep.config.schema import ConfigError
-from kdsweep.sweep.manifest import STORAGE_ENV, Manifest
+from kdsweep.sweep.manifest import STORAGE_ENV, Manifest, connect_url
 from kdsweep.sweep.study import make_storage, redact, storage_url
 
 
@@ -37,18 +37,14 @@ def serve(sweep_dir: Path, host: str = "127.0.0.1", port: int = 8080) -> None:
     if not 0 < port < 65536:
         raise ConfigError(f"--port {port} must be in 1..65535")
     manifest = Manifest.load(sweep_dir)
-    settings = manifest.settings  # the storage from the environment, when it is set
-    url = storage_url(settings, sweep_dir)
-    saved = storage_url(replace(settings, storage=manifest.data["settings"]["storage"]), sweep_dir)
-    if redact(url) != saved:  # a URL left in the environment by another sweep would show the wrong study
+    settings = manifest.settings
+    env, saved = os.environ.get(STORAGE_ENV), storage_url(settings, sweep_dir)
+    if env and redact(env) != saved:  # a URL left in the environment by another sweep: say so, not ignore it
         raise ConfigError(
-            f"{STORAGE_ENV}={redact(url)} is not the storage of {sweep_dir} ({saved}); unset it, or set it to "
+            f"{STORAGE_ENV}={redact(env)} is not the storage of {sweep_dir} ({saved}); unset it, or set it to "
             "that URL with its password"
         )
-    if ":***@" in url:
-        raise ConfigError(
-            f"the sweep's storage {url} needs its password: set {STORAGE_ENV} to the full URL (as for the sweep)"
-        )
+    url = connect_url(settings, sweep_dir)
     storage = make_storage(url)
     try:
         study_id = storage.get_study_id_from_name(settings.study_name)

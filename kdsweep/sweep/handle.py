@@ -9,8 +9,8 @@ import logging
 import math
 from pathlib import Path
 
-from kdsweep.sweep.manifest import Manifest
-from kdsweep.sweep.study import make_pruner, make_storage, storage_url
+from kdsweep.sweep.manifest import Manifest, connect_url
+from kdsweep.sweep.study import make_pruner, make_storage
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ class TrialHandle:
 
         manifest = Manifest.load(Path(sweep_dir))
         settings = manifest.settings
-        storage = make_storage(storage_url(settings, Path(sweep_dir)))
+        storage = make_storage(connect_url(settings, Path(sweep_dir)))
         # Optuna does not store the pruner: build the very one the controller uses, from the same settings.
         study = optuna.load_study(study_name=settings.study_name, storage=storage, pruner=make_pruner(settings))
         trial_id = storage.get_trial_id_from_study_id_trial_number(study._study_id, number)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kdsweep.config.schema import ConfigError
-from kdsweep.sweep.study import SweepSettings, redact
+from kdsweep.sweep.study import SweepSettings, redact, storage_url
 
 STORAGE_ENV = "KDSWEEP_STORAGE_URL"
 FINAL = ("COMPLETE", "PRUNED", "FAIL")
@@ -59,9 +59,8 @@ class Manifest:
 
     @property
     def settings(self) -> SweepSettings:
-        s = dict(self.data["settings"])
-        s["storage"] = os.environ.get(STORAGE_ENV) or s["storage"]
-        return SweepSettings.from_plain(s)
+        """The settings as saved: a database URL without its password (see ``connect_url``)."""
+        return SweepSettings.from_plain(self.data["settings"])
 
     @property
     def trials(self) -> dict[str, dict[str, Any]]:
@@ -80,3 +79,15 @@ class Manifest:
         tmp = self.path.with_name(".sweep.json.tmp")
         tmp.write_text(json.dumps(self.data, indent=2, default=str) + "\n")
         os.replace(tmp, self.path)
+
+
+def connect_url(settings: SweepSettings, sweep_dir: Path) -> str:
+    """The URL to open a sweep's storage with. Saved URLs and commands hold ``user:***@``: the password comes
+    from KDSWEEP_STORAGE_URL (the full URL), which the controller sets for its jobs and a user sets to resume."""
+    url = storage_url(settings, sweep_dir)
+    env = os.environ.get(STORAGE_ENV)
+    if env and redact(env) == redact(url):  # the same storage, with its password
+        return env
+    if ":***@" in url:
+        raise ConfigError(f"the sweep's storage {url} needs its password: set {STORAGE_ENV} to the full URL")
+    return url

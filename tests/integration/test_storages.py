@@ -81,6 +81,13 @@ def test_postgresql_storage_with_a_password(tmp_path, zoo_dirs, postgres_server)
     assert files_holding(tmp_path, secret) == []
     assert secret not in proc.stdout + proc.stderr
 
+    # Resuming needs the password too: the saved command holds kdsweep:***@, the full URL comes from the env.
+    no_pw = cli("resume", str(sweep_dir))
+    assert no_pw.returncode == 2 and "needs its password: set KDSWEEP_STORAGE_URL" in no_pw.stderr.splitlines()[-1]
+    resumed = cli("resume", str(sweep_dir), env={**os.environ, "KDSWEEP_STORAGE_URL": url})
+    assert resumed.returncode == 0 and resumed.stdout.count("COMPLETE") == 2, resumed.stderr
+    assert files_holding(tmp_path, secret) == []
+
     # The dashboard reads the same study; without the password it says how to give it.
     no_pw = cli("dashboard", str(sweep_dir), "--port", str(free_port()))
     assert no_pw.returncode == 2 and no_pw.stderr.count("\n") == 1 and "set KDSWEEP_STORAGE_URL" in no_pw.stderr

@@ -134,6 +134,7 @@ BAD = {
     "integer_interval": (["kd_ratio=interval(0,1)"], "integer bounds make an integer space"),
     "bad_point": (["kd_ratio=interval(0.0,1.5)"], "loss.kd_ratio=1.5 is outside [0, 1]"),
     "storage": (["hydra.sweeper.storage=sqlite:////no/such/dir/x.db"], "cannot be reached"),
+    "launcher": (["hydra/launcher=submitit_local"], "hydra.launcher=LocalLauncher cannot run kdsweep's trials"),
 }
 
 
