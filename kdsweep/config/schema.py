@@ -225,12 +225,56 @@ class TrainConfig:
         _check(self.threads >= 0, f"train.threads={self.threads} must be >= 0")
 
 
+WANDB_MODES = ("auto", "online", "offline")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WandbConfig:
+    """Weights & Biases. Keys come from the environment (WANDB_API_KEY or ~/.netrc), never from the config."""
+
+    enabled: bool = False
+    project: str = "kdsweep"
+    entity: str | None = None
+    mode: str = "auto"
+    """auto: online with an API key and a reachable server, else offline (``wandb sync`` later); or force one."""
+    group: str | None = None
+    """Runs are grouped by this; default: the study of a sweep trial, else none."""
+    tags: tuple[str, ...] = ()
+    """Extra tags; the teacher and the student are always tagged."""
+
+    def __post_init__(self) -> None:
+        _check(self.mode in WANDB_MODES, f"logger.wandb.mode={self.mode!r} is unknown; use one of {', '.join(WANDB_MODES)}")
+        _check(bool(self.project), "logger.wandb.project is empty; name a W&B project")
+
+
 @dataclass(frozen=True, kw_only=True)
 class LoggerConfig:
-    """Where metrics go. JSONL is always written; the progress bar is for humans."""
+    """Where metrics go (rank 0 only). JSONL is always written; TensorBoard and W&B when enabled."""
 
     progress_bar: bool = True
     """Show a progress bar with the live loss on rank 0."""
+    tensorboard: bool = False
+    """Write TensorBoard event files to ``<run dir>/tensorboard``."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfilerConfig:
+    """torch.profiler over a few training steps; off by default (and then it costs nothing)."""
+
+    enabled: bool = False
+    wait: int = 1
+    """Steps to skip before profiling (the first steps pay one-off costs)."""
+    warmup: int = 1
+    """Steps traced but discarded (the profiler's own start-up)."""
+    active: int = 3
+    """Steps recorded into the trace."""
+    record_shapes: bool = False
+    with_stack: bool = False
+
+    def __post_init__(self) -> None:
+        _check(self.wait >= 0 and self.warmup >= 0, f"profiler.wait={self.wait} and profiler.warmup={self.warmup} must be >= 0")
+        _check(self.active >= 1, f"profiler.active={self.active} must be >= 1 (steps recorded)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -292,6 +336,8 @@ class TrialConfig:
     """The sweep this job is a trial of (its sweep.json names the study and the pruner)."""
     number: int = -1
     """The Optuna trial number."""
+    study: str = ""
+    """The Optuna study's name (W&B groups the trials of a study)."""
 
     def __post_init__(self) -> None:
         _check(not self.sweep_dir or self.number >= 0, f"trial.number={self.number} must be >= 0 when trial.sweep_dir is set")
@@ -310,12 +356,19 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     trial: TrialConfig = field(default_factory=TrialConfig)
 
     def __post_init__(self) -> None:
         _check(bool(self.output_dir), "output_dir is empty; pass hydra.run.dir=<directory>")
+        pr = self.profiler
+        _check(
+            not pr.enabled or pr.wait + pr.warmup + pr.active <= self.train.max_steps,
+            f"profiler.wait+warmup+active={pr.wait + pr.warmup + pr.active} steps exceed train.max_steps="
+            f"{self.train.max_steps}, so no trace would be written; lower profiler.active or profiler.wait",
+        )
 
     def check_world_size(self, world_size: int) -> None:
         """The global batch must split evenly into micro-batches on every rank."""

@@ -22,6 +22,8 @@ class LossSums(NamedTuple):
     """Σ cross-entropy of the student against the labels (fp32 scalar)."""
     kd: torch.Tensor
     """Σ T²·KL(teacher_T ‖ student_T) (fp32 scalar)."""
+    kl: torch.Tensor
+    """Σ KL(teacher ‖ student) at temperature 1, detached: the distance to the teacher, for logging."""
     tokens: torch.Tensor
     """Number of valid (non-ignored) tokens (int64 scalar)."""
 
@@ -107,8 +109,15 @@ def kd_loss_sums(
     s, t, y = student_logits.reshape(-1, v), teacher_logits.reshape(-1, v), labels.reshape(-1)
     ce = s.new_zeros((), dtype=torch.float32)
     kd = s.new_zeros((), dtype=torch.float32)
+    kl = s.new_zeros((), dtype=torch.float32)
     for s_c, t_c, y_c in split_chunks(num_chunks, s, t, y):
         ce = ce + cross_entropy_sum(s_c, y_c, ignore_index)
-        kd = kd + forward_kl_sum(s_c, t_c, y_c, temperature=temperature, ignore_index=ignore_index)
+        kd_c = forward_kl_sum(s_c, t_c, y_c, temperature=temperature, ignore_index=ignore_index)
+        kd = kd + kd_c
+        if temperature == 1.0:
+            kl = kl + kd_c.detach()
+        else:
+            with torch.no_grad():
+                kl = kl + forward_kl_sum(s_c, t_c, y_c, temperature=1.0, ignore_index=ignore_index)
     tokens = valid_mask(y, ignore_index).sum()
-    return LossSums(ce=ce, kd=kd * temperature**2, tokens=tokens)
+    return LossSums(ce=ce, kd=kd * temperature**2, kl=kl, tokens=tokens)

@@ -1,4 +1,8 @@
-"""Metric sinks behind one logger. The loop logs unconditionally; non-main ranks get no sinks."""
+"""Metric sinks behind one logger. The loop logs unconditionally; non-main ranks get no sinks.
+
+Every sink takes the same rows (``{"kind": "train" | "eval", "step": s, ...values}``) and, at the end, the run's
+summary. ``open_sinks`` picks them from the config: JSONL always, TensorBoard and W&B when enabled.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,8 @@ from typing import Any, Protocol
 
 class Sink(Protocol):
     def write(self, row: dict[str, Any]) -> None: ...
-    def close(self) -> None: ...
+    def close(self, summary: dict[str, Any] | None = None) -> None:
+        """Flush and close; ``summary`` (objective, final eval) when the run completed."""
 
 
 class JsonlSink:
@@ -38,8 +43,30 @@ class JsonlSink:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
         self._f.write(json.dumps(clean) + "\n")
 
-    def close(self) -> None:
+    def close(self, summary: dict[str, Any] | None = None) -> None:
         self._f.close()
+
+
+def scalars(row: dict[str, Any]) -> dict[str, float]:
+    """``{"<kind>/<name>": value}`` for the row's numbers (lists such as per-rank peaks are left to JSONL)."""
+    return {f"{row['kind']}/{k}": v for k, v in row.items()
+            if k not in ("kind", "step") and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+class TensorBoardSink:
+    """Event files in ``path``; a resumed run purges the events its first attempt wrote after the checkpoint."""
+
+    def __init__(self, path: Path, resume_step: int = 0) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(log_dir=str(path), purge_step=resume_step + 1 if resume_step else None)
+
+    def write(self, row: dict[str, Any]) -> None:
+        for tag, value in scalars(row).items():
+            self._writer.add_scalar(tag, value, row["step"])
+
+    def close(self, summary: dict[str, Any] | None = None) -> None:
+        self._writer.close()
 
 
 class MetricLogger:
@@ -53,6 +80,21 @@ class MetricLogger:
         for sink in self.sinks:
             sink.write(row)
 
-    def close(self) -> None:
+    def close(self, summary: dict[str, Any] | None = None) -> None:
         for sink in self.sinks:
-            sink.close()
+            sink.close(summary)
+
+
+def open_sinks(cfg: Any, out: Path, resume_step: int, config: dict[str, Any]) -> tuple[list[Sink], dict[str, Any] | None]:
+    """The sinks ``cfg.logger`` asks for, and what identifies the W&B run (None without W&B)."""
+    sinks: list[Sink] = [JsonlSink(out / "metrics.jsonl", resume_step=resume_step)]
+    if cfg.logger.tensorboard:
+        sinks.append(TensorBoardSink(out / "tensorboard", resume_step))
+    wandb_info = None
+    if cfg.logger.wandb.enabled:
+        from kdsweep.metrics.wandb_run import WandbSink
+
+        sink = WandbSink(cfg, out, config)
+        sinks.append(sink)
+        wandb_info = sink.info
+    return sinks, wandb_info

@@ -135,7 +135,7 @@ class Controller:
     def _args(self, number: int, params: dict[str, Any]) -> list[str]:
         run_dir = self.sweep_dir / str(number)
         return [*self.base, *(f"{k}={v}" for k, v in params.items()), f"trial.sweep_dir={self.sweep_dir}",
-                f"trial.number={number}", f"hydra.run.dir={run_dir}"]
+                f"trial.number={number}", f"trial.study={self.settings.study_name}", f"hydra.run.dir={run_dir}"]
 
     def _start(self, number: int) -> None:
         entry = self.manifest.trial(number)

@@ -14,7 +14,7 @@ from typing import Any
 from kdsweep.config.schema import ConfigError
 
 SAMPLERS = ("tpe", "gp", "random", "grid")
-PRUNERS = ("median", "halving", "hyperband", "none")
+PRUNERS = ("percentile", "median", "halving", "hyperband", "none")
 OBJECTIVES = ("student_ce", "kl", "teacher_ce")
 DIRECTIONS = ("minimize", "maximize")
 NFS_TYPES = ("nfs", "nfs4", "cifs", "smb3", "lustre", "gpfs", "beegfs")
@@ -41,6 +41,9 @@ class SweepSettings:
     pruner_startup_trials: int = 2
     """Trials that must finish before the median pruner prunes anything."""
     pruner_warmup_steps: int = 0
+    pruner_percentile: float = 75.0
+    """percentile pruner: stop a trial whose eval is worse than this percentile of the others' at that step
+    (50 is the median pruner; 75 stops only the worst quarter, for noisy early evals)."""
     objectives: tuple[str, ...] = ("student_ce",)
     """Eval metrics to optimise, from OBJECTIVES; two or more make a Pareto study (no pruning then)."""
     directions: tuple[str, ...] = ("minimize",)
@@ -67,6 +70,7 @@ class SweepSettings:
             f"{len(self.objectives)} objectives",
         )
         _check(self.retries >= 0, f"hydra.sweeper.retries={self.retries} must be >= 0")
+        _check(0 < self.pruner_percentile < 100, f"hydra.sweeper.pruner_percentile={self.pruner_percentile} must be in (0, 100)")
 
     @classmethod
     def from_plain(cls, values: dict[str, Any]) -> "SweepSettings":
@@ -150,6 +154,11 @@ def make_pruner(settings: SweepSettings) -> Any:
     if settings.pruner == "median":
         return optuna.pruners.MedianPruner(
             n_startup_trials=settings.pruner_startup_trials, n_warmup_steps=settings.pruner_warmup_steps
+        )
+    if settings.pruner == "percentile":
+        return optuna.pruners.PercentilePruner(
+            settings.pruner_percentile, n_startup_trials=settings.pruner_startup_trials,
+            n_warmup_steps=settings.pruner_warmup_steps,
         )
     if settings.pruner == "halving":
         return optuna.pruners.SuccessiveHalvingPruner()

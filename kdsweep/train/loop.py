@@ -17,7 +17,8 @@ from kdsweep.data.sampling import StepSampler
 from kdsweep.data.text import load_corpus, tokenize_to_sequences
 from kdsweep.distributed import DistEnv, device_for, single_process
 from kdsweep.metrics.records import RunRecord
-from kdsweep.metrics.sinks import JsonlSink, MetricLogger
+from kdsweep.metrics.sinks import MetricLogger, open_sinks
+from kdsweep.train.profile import step_profiler
 from kdsweep.models.load import load_student, load_teacher, load_tokenizer, resolve_dir, unsharded_on_rank0
 from kdsweep.train import schedule
 from kdsweep.train.step import Batch, EvalResult, evaluate, train_step
@@ -181,6 +182,9 @@ def run(
         RunRecord(out / "run.json", resolved_config or asdict(cfg), overrides or [], world_size=dist.world_size)
         if dist.is_main else None
     )
+    if record is not None:
+        t = cfg.trial
+        record.update(trial={"study": t.study, "number": t.number, "sweep_dir": t.sweep_dir} if t.sweep_dir else None)
     started = time.time()
     try:
         result = _train(cfg, dist, reporter, preemption, out, record, resume_from)
@@ -259,12 +263,13 @@ def _train(
         "held-out CE before: student %.4f, teacher %.4f (KL %.4f, %d tokens)",
         eval_before.student_ce, eval_before.teacher_ce, eval_before.kl, eval_before.tokens,
     )
-    sinks = [JsonlSink(out / "metrics.jsonl", resume_step=start_step)] if dist.is_main else []
+    sinks, wandb_info = open_sinks(cfg, out, start_step, record.data["config"]) if record is not None else ([], None)
     metrics = MetricLogger(sinks)
     if start_step == 0:
         metrics.log("eval", 0, asdict(eval_before))
     if record is not None:
-        record.update(timings=timings, resumed_from=str(resume_from) if resume_from else None, start_step=start_step)
+        record.update(timings=timings, resumed_from=str(resume_from) if resume_from else None, start_step=start_step,
+                      wandb=wandb_info)
 
     status, step = "completed", start_step
     from tqdm import tqdm
@@ -273,48 +278,51 @@ def _train(
         total=cfg.train.max_steps, initial=start_step, desc="kd", disable=not (cfg.logger.progress_bar and dist.is_main)
     )
     tokens_per_step_local = d.batch_size // dist.world_size * d.seq_len
-    while step < cfg.train.max_steps:
-        t_step = time.perf_counter()
-        micro = [
-            _as_batches(train_seqs[idx], device)
-            for idx in sampler.rank_micro_batches(step, dist.rank, dist.world_size, d.micro_batch_size)
-        ]
-        stats = train_step(
-            student, teacher, micro, optimizer, scheduler,
-            loss_cfg=cfg.loss, max_grad_norm=o.max_grad_norm, dist=dist,
-        )
-        step += 1
-        elapsed = time.perf_counter() - t_step
-        bar.update(1)
-        bar.set_postfix(loss=f"{stats.loss:.4f}", ce=f"{stats.ce:.4f}", kd=f"{stats.kd:.4f}")
-        if step % cfg.train.log_every == 0:
-            peaks = dist.gather_floats(peak_memory_mb(device))
-            metrics.log("train", step, {
-                **asdict(stats),
-                "tokens_per_s": tokens_per_step_local * dist.world_size / elapsed,
-                "tokens_per_s_per_rank": tokens_per_step_local / elapsed,
-                "step_s": elapsed,
-                "peak_mem_mb": max(peaks),
-                "peak_mem_mb_per_rank": peaks,
-            })
-        pruned = False
-        if step % cfg.train.eval_every == 0 and step < cfg.train.max_steps:
-            ev = evaluate_now()
-            metrics.log("eval", step, asdict(ev))
-            pruned = dist.any(reporter.report(step, ev.student_ce))  # rank 0 decides (others hold a null reporter)
-        preempted = dist.any(preemption is not None and preemption.requested)  # signals may reach ranks apart
-        periodic = cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0
-        if periodic or step == cfg.train.max_steps or pruned or preempted:
-            checkpoints.save(
-                ckpt_root, step, student, optimizer,
-                {"step": step, "scheduler": scheduler.state_dict(), "eval_before": asdict(eval_before),
-                 "fingerprint": training_fingerprint(cfg)},
-                dist, cfg.checkpoint.keep_last,
+    profiler = step_profiler(cfg.profiler, out, device, dist.rank)
+    with profiler:
+        while step < cfg.train.max_steps:
+            t_step = time.perf_counter()
+            micro = [
+                _as_batches(train_seqs[idx], device)
+                for idx in sampler.rank_micro_batches(step, dist.rank, dist.world_size, d.micro_batch_size)
+            ]
+            stats = train_step(
+                student, teacher, micro, optimizer, scheduler,
+                loss_cfg=cfg.loss, max_grad_norm=o.max_grad_norm, dist=dist,
             )
-        if pruned or preempted:
-            status = "pruned" if pruned else "preempted"
-            log.info("%s at step %d (checkpoint written)", status, step)
-            break
+            step += 1
+            profiler.step()
+            elapsed = time.perf_counter() - t_step
+            bar.update(1)
+            bar.set_postfix(loss=f"{stats.loss:.4f}", ce=f"{stats.ce:.4f}", kd=f"{stats.kd:.4f}")
+            if step % cfg.train.log_every == 0:
+                peaks = dist.gather_floats(peak_memory_mb(device))
+                metrics.log("train", step, {
+                    **asdict(stats),
+                    "tokens_per_s": tokens_per_step_local * dist.world_size / elapsed,
+                    "tokens_per_s_per_rank": tokens_per_step_local / elapsed,
+                    "step_s": elapsed,
+                    "peak_mem_mb": max(peaks),
+                    "peak_mem_mb_per_rank": peaks,
+                })
+            pruned = False
+            if step % cfg.train.eval_every == 0 and step < cfg.train.max_steps:
+                ev = evaluate_now()
+                metrics.log("eval", step, asdict(ev))
+                pruned = dist.any(reporter.report(step, ev.student_ce))  # rank 0 decides (others hold a null reporter)
+            preempted = dist.any(preemption is not None and preemption.requested)  # signals may reach ranks apart
+            periodic = cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0
+            if periodic or step == cfg.train.max_steps or pruned or preempted:
+                checkpoints.save(
+                    ckpt_root, step, student, optimizer,
+                    {"step": step, "scheduler": scheduler.state_dict(), "eval_before": asdict(eval_before),
+                     "fingerprint": training_fingerprint(cfg)},
+                    dist, cfg.checkpoint.keep_last,
+                )
+            if pruned or preempted:
+                status = "pruned" if pruned else "preempted"
+                log.info("%s at step %d (checkpoint written)", status, step)
+                break
     bar.close()
     if status == "preempted":
         metrics.close()
@@ -327,7 +335,8 @@ def _train(
     metrics.log("eval", step, asdict(eval_after))
     if status == "completed":
         reporter.report(step, eval_after.student_ce)
-    metrics.close()
+    metrics.close({"objective": eval_after.student_ce, "status": status, "steps": step,
+                   **{f"eval/{k}": v for k, v in asdict(eval_after).items()}})
     log.info(
         "held-out CE after %d steps: student %.4f (before %.4f), teacher %.4f, KL %.4f",
         step, eval_after.student_ce, eval_before.student_ce, eval_after.teacher_ce, eval_after.kl,

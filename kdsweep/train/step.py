@@ -22,6 +22,8 @@ class StepStats:
     loss: float
     ce: float
     kd: float
+    kl: float
+    """KL(teacher ‖ student) at temperature 1 (the KD term is T²·KL at the loss's temperature)."""
     tokens: int
     grad_norm: float
     lr: float
@@ -49,7 +51,7 @@ def train_step(
     local_tokens = sum((labels != ignore).sum() for _, labels in micro_batches)
     global_tokens = dist.all_reduce_sum(torch.as_tensor(local_tokens, dtype=torch.float32).clone())
     scale = dist.world_size / global_tokens.clamp_min(1.0)
-    totals = torch.zeros(2, dtype=torch.float32, device=global_tokens.device)  # Σce, Σkd
+    totals = torch.zeros(3, dtype=torch.float32, device=global_tokens.device)  # Σce, Σkd, Σkl
     for input_ids, labels in micro_batches:
         with torch.no_grad():
             teacher_logits = teacher(input_ids=input_ids).logits
@@ -59,7 +61,7 @@ def train_step(
             temperature=loss_cfg.temperature, ignore_index=ignore, num_chunks=loss_cfg.num_chunks,
         )
         (sums.total(loss_cfg.kd_ratio) * scale).backward()
-        totals += torch.stack([sums.ce, sums.kd]).detach()
+        totals += torch.stack([sums.ce, sums.kd, sums.kl]).detach()
     params = [p for p in student.parameters() if p.requires_grad]
     # max_norm=inf measures the norm without clipping.
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
@@ -70,10 +72,10 @@ def train_step(
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     dist.all_reduce_sum(totals)
-    ce, kd = (totals / global_tokens.clamp_min(1.0)).tolist()  # host syncs only here, after the optimizer step
+    ce, kd, kl = (totals / global_tokens.clamp_min(1.0)).tolist()  # host syncs only here, after the optimizer step
     r = loss_cfg.kd_ratio
     return StepStats(
-        loss=(1 - r) * ce + r * kd, ce=ce, kd=kd, tokens=int(global_tokens.item()), grad_norm=float(grad_norm), lr=lr
+        loss=(1 - r) * ce + r * kd, ce=ce, kd=kd, kl=kl, tokens=int(global_tokens.item()), grad_norm=float(grad_norm), lr=lr
     )
 
 

@@ -70,10 +70,14 @@ def check_completed(study: optuna.Study, sweep_dir: Path) -> None:
     assert status.returncode == 0 and status.stdout.count("COMPLETE") == 2 and "<- best" in status.stdout, status.stderr
 
 
-def test_postgresql_storage_with_a_password(tmp_path, zoo_dirs, postgres_server):
+def test_postgresql_storage_with_a_password(tmp_path, zoo_dirs, postgres_server, monkeypatch):
     url = fresh_database(postgres_server, "kdsweep_test_storages")
     secret = password_of(url)
-    sweep_dir, proc = tiny_sweep(tmp_path, "pg_study", f"hydra.sweeper.storage={url}")
+    key = "fake-wandb-key-5f2c9a7e31d84b6c0a9e7d3b1c5f8a2e4d6b0c19"
+    monkeypatch.setenv("WANDB_API_KEY", key)  # the trials log to W&B (offline here) with a key in their env
+    sweep_dir, proc = tiny_sweep(tmp_path, "pg_study", f"hydra.sweeper.storage={url}", "logger.wandb.enabled=true")
+    assert files_holding(tmp_path, key) == [] and key not in proc.stdout + proc.stderr
+    assert all(list((sweep_dir / str(n) / "wandb").glob("offline-run-*")) for n in (0, 1))  # W&B really ran
 
     check_completed(optuna.load_study(study_name="pg_study", storage=url), sweep_dir)
     assert "kdsweep:***@127.0.0.1" in cli("status", str(sweep_dir)).stdout

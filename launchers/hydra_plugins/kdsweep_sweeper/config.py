@@ -18,6 +18,7 @@ class KdsweepOptunaConf:
     pruner: str = "median"
     pruner_startup_trials: int = 2
     pruner_warmup_steps: int = 0
+    pruner_percentile: float = 75.0
     objectives: List[str] = field(default_factory=lambda: ["student_ce"])
     directions: List[str] = field(default_factory=lambda: ["minimize"])
     retries: int = 1

@@ -121,3 +121,13 @@ def test_total_mixes_by_kd_ratio():
     assert math.isclose(sums.total(0.0).item(), sums.ce.item(), rel_tol=1e-6)
     assert math.isclose(sums.total(1.0).item(), sums.kd.item(), rel_tol=1e-6)
     assert math.isclose(sums.total(0.25).item(), 0.75 * sums.ce.item() + 0.25 * sums.kd.item(), rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.5])
+def test_logged_kl_is_the_temperature_one_kl_and_carries_no_gradient(temperature):
+    s, t, y = ragged(33, 17, 9)
+    s.requires_grad_()
+    sums = kd_loss_sums(s, t, y, temperature=temperature, num_chunks=4)
+    _, kl_t1, _ = reference(s.detach(), t, y, 1.0)
+    assert sums.kl.item() == pytest.approx(kl_t1.item(), rel=1e-5)
+    assert not sums.kl.requires_grad
