@@ -2,9 +2,11 @@
 
 Online when there is an API key and the server answers; otherwise offline, kept in ``<run dir>/wandb`` for a
 later ``wandb sync`` (compute nodes often have no internet). The run id is derived from the sweep and trial
-(or from the run directory), so a requeued or resumed job logs into the same run. A resumed job recomputes the
-steps after its checkpoint; the ones W&B already has are not sent again, so its history never holds a step
-twice. Keys stay in the environment (WANDB_API_KEY, ~/.netrc): nothing here writes or logs them.
+(or from the run directory), so a requeued or resumed job logs into the same run, and its history never holds
+a step twice: an attempt that ends cleanly (completed, pruned, preempted at a signal) notes the last step W&B
+got; the next attempt sends only later steps, first replaying from metrics.jsonl those that an attempt killed
+before it could finish W&B may have lost (W&B writes offline history only at the end). Keys stay in the
+environment (WANDB_API_KEY, ~/.netrc): nothing here writes or logs them.
 """
 
 from __future__ import annotations
@@ -84,6 +86,9 @@ class WandbSink:
                      self.info["dir"], self.info["dir"])
         else:
             log.info("W&B %s: run %s (%s)", mode, run_id, why)
+        history = out / "metrics.jsonl"  # already cut back to the checkpoint being resumed
+        for line in history.read_text().splitlines() if history.exists() else []:
+            self.write(json.loads(line))
 
     def write(self, row: dict[str, Any]) -> None:
         key = (row["step"], KIND_ORDER.get(row["kind"], 2))
@@ -91,9 +96,9 @@ class WandbSink:
             return
         self.run.log(scalars(row), step=row["step"])
         self._last = key
-        write_json_atomic(self._state_path, list(key))
 
     def close(self, summary: dict[str, Any] | None = None) -> None:
         if summary:
             self.run.summary.update(summary)
         self.run.finish()
+        write_json_atomic(self._state_path, list(self._last))  # W&B has everything up to here

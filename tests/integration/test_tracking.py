@@ -23,13 +23,6 @@ def wandb_records(offline_run: Path, summary: bool = False) -> list[dict]:
     return [json.loads(out)] if summary else [json.loads(line) for line in out.splitlines() if line.strip()]
 
 
-def wandb_history(run_dir: Path) -> tuple[list[Path], list[dict]]:
-    """The run's offline attempts (oldest first) and their history rows, in order."""
-    attempts = sorted((run_dir / "wandb").glob("offline-run-*"))
-    rows = [r["history"]["item"] for a in attempts for r in wandb_records(a) if r["type"] == "history"]
-    return attempts, rows
-
-
 def tensorboard_steps(run_dir: Path, tag: str) -> list[int]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -42,35 +35,45 @@ RUN = ["kd_ratio=0.5", "train.max_steps=12", "train.eval_every=4", "checkpoint.s
        "checkpoint.export_merged=false", "logger.wandb.enabled=true", "logger.tensorboard=true", *QUIET]
 
 
-def test_wandb_and_tensorboard_histories_survive_a_preemption(tmp_path, zoo_dirs):
+def start_and_wait(cmd, cwd, env, run_dir, step):
+    """Start the job; return it once metrics.jsonl shows ``step``."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 180
+    while not ((run_dir / "metrics.jsonl").exists() and any(r["step"] >= step for r in read_metrics(run_dir))):
+        assert time.time() < deadline and proc.poll() is None, f"the run did not reach step {step}"
+        time.sleep(0.1)
+    return proc
+
+
+def test_wandb_and_tensorboard_histories_survive_kill_and_preemption(tmp_path, zoo_dirs):
     run_dir = tmp_path / "run"
     env = {**os.environ, "WANDB_API_KEY": "fake-key-0123456789abcdef0123456789abcdef01234567"}
     cmd = [sys.executable, "-m", "kdsweep", *RUN, f"hydra.run.dir={run_dir}"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 180
-    while not ((run_dir / "metrics.jsonl").exists() and any(r["step"] >= 6 for r in read_metrics(run_dir))):
-        assert time.time() < deadline and proc.poll() is None, "the run did not reach step 6"
-        time.sleep(0.1)
-    proc.send_signal(signal.SIGUSR2)  # what SLURM sends before preemption: checkpoint at the next step, stop
+    # attempt 1: killed without warning after step 5 (last checkpoint: step 4)
+    proc = start_and_wait(cmd, tmp_path, env, run_dir, 5)
+    proc.kill()
+    proc.communicate(timeout=60)
+    # attempt 2: resumes at step 4, gets SLURM's warning signal after step 6, checkpoints at the next step, stops
+    proc = start_and_wait(cmd, tmp_path, env, run_dir, 6)
+    proc.send_signal(signal.SIGUSR2)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0 and read_run(run_dir)["status"] == "preempted", out[-2000:]
-    # no network here: auto mode went offline and said how to upload the run
-    assert "W&B offline (" in out and "wandb sync" in out
+    assert "W&B offline (" in out and "wandb sync" in out  # no network here: auto mode went offline, said so
     stopped = read_run(run_dir)["steps"]
     assert 6 <= stopped < 12
-
-    # the requeued job: the same command on the same directory resumes from the checkpoint written at the signal
+    # attempt 3 (the requeued job): the same command on the same directory resumes from that checkpoint
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     record = read_run(run_dir)
-    assert record["status"] == "completed" and record["start_step"] == stopped
+    assert record["status"] == "completed" and record["start_step"] == stopped and record["attempts"] == 3
 
-    # W&B: one run id for both attempts, every step once, in order
-    attempts, history = wandb_history(run_dir)
-    assert len(attempts) == 2 and len({a.name.rsplit("-", 1)[-1] for a in attempts}) == 1
-    assert record["wandb"]["id"] == attempts[0].name.split("-", 3)[-1] and record["wandb"]["mode"] == "offline"
-    steps = [row["_step"] for row in history]
-    assert steps == list(range(0, 13))  # eval at 0, then a train row per step (evals join their step's row)
+    # W&B: one run id for all attempts; the clean attempts hold every step once, in order
+    attempts = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert len(attempts) == 3 and {a.name.split("-", 3)[-1] for a in attempts} == {record["wandb"]["id"]}
+    assert record["wandb"]["mode"] == "offline"
+    killed, *clean = [[r["history"]["item"] for r in wandb_records(a) if r["type"] == "history"] for a in attempts]
+    history = [row for rows in clean for row in rows]
+    assert [row["_step"] for row in history] == list(range(0, 13))  # what the killed attempt lost was replayed
     assert [row["_step"] for row in history if "eval/student_ce" in row] == [0, 4, 8, 12]
     assert all({"train/loss", "train/ce", "train/kd", "train/kl", "train/lr", "train/grad_norm", "train/tokens_per_s",
                 "train/tokens_per_s_per_rank", "train/peak_mem_mb"} <= set(row) for row in history if row["_step"])
@@ -82,7 +85,7 @@ def test_wandb_and_tensorboard_histories_survive_a_preemption(tmp_path, zoo_dirs
     assert last["config"]["loss"]["kd_ratio"] == 0.5 and last["config"]["train"]["max_steps"] == 12
     assert last["name"] == "run" and last["state"] == "finished"
 
-    # TensorBoard: the resumed writer purged what the first attempt wrote after the checkpoint
+    # TensorBoard: each resumed writer purged what the attempt before wrote after its checkpoint
     assert tensorboard_steps(run_dir, "train/loss") == list(range(1, 13))
     assert tensorboard_steps(run_dir, "eval/student_ce") == [0, 4, 8, 12]
 
