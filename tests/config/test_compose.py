@@ -25,7 +25,7 @@ def convert(overrides):
 
 
 def test_every_group_has_options():
-    assert set(GROUPS) == {"model", "teacher", "data", "loss", "optim", "train", "logger", "checkpoint", "dist", "cluster", "hparams_search"}
+    assert set(GROUPS) == {"model", "teacher", "data", "loss", "optim", "train", "logger", "checkpoint", "dist", "cluster", "hparams_search", "profiler"}
     assert all(sum(1 for g, _ in OPTIONS if g == group) >= 2 for group in GROUPS)
 
 
