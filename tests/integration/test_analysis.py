@@ -1,0 +1,171 @@
+"""kdsweep.analysis and notebooks/sweep_analysis.ipynb on one real sweep (4 trials, one pruned, W&B offline)."""
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+
+from conftest import REPO, kdsweep, read_metrics, read_run
+from kdsweep.analysis import load_sweep, load_wandb_runs
+from kdsweep.analysis.notebook import execute
+from kdsweep.config.schema import ConfigError
+
+pytestmark = pytest.mark.slow
+
+ARTIFACTS = Path(os.environ.get("KDSWEEP_ARTIFACTS") or REPO / "artifacts")
+NOTEBOOK = REPO / "notebooks" / "sweep_analysis.ipynb"
+STUDY = "analysis"
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def sweep_dir(tmp_path_factory, zoo_dirs):
+    """4 trials of 8 steps, 2 at a time, W&B offline; trial 2's lr cannot learn, and it starts only after a
+    trial has completed (the median pruner's one startup trial), so it is pruned at its first eval."""
+    root = tmp_path_factory.mktemp("analysis")
+    body = {"defaults": [{"override /hydra/sweeper": "kdsweep_optuna"}],
+            "train": {"eval_every": 2, "max_steps": 8},
+            "logger": {"progress_bar": False, "wandb": {"enabled": True, "mode": "offline"}},
+            "checkpoint": {"save_every": 0, "export_adapter": False, "export_merged": False},
+            "hydra": {"sweeper": {
+                "study_name": STUDY, "poll_s": 0.2, "n_trials": 4, "max_concurrent": 2, "sampler": "random",
+                "seed": 0, "pruner": "median", "pruner_startup_trials": 1,
+                "params": {"kd_ratio": "interval(0.0,1.0)", "lr": "tag(log, interval(1e-7,3e-2))",
+                           "lora_rank": "choice(4,8,16)"},
+                "enqueue": [{"kd_ratio": 0.5, "lr": 0.01, "lora_rank": 8}, {"kd_ratio": 0.3, "lr": 0.005, "lora_rank": 4},
+                            {"kd_ratio": 0.5, "lr": 1e-7, "lora_rank": 8}]}}}
+    (root / "conf" / "hparams_search").mkdir(parents=True)
+    (root / "conf" / "hparams_search" / f"{STUDY}.yaml").write_text("# @package _global_\n" + yaml.safe_dump(body))
+    kdsweep("-m", f"hparams_search={STUDY}", f"hydra.searchpath=[file://{root / 'conf'}]",
+            f"hydra.sweep.dir={root / 'sweep'}", cwd=root)
+    return root / "sweep"
+
+
+def manifest_of(sweep_dir):
+    return json.loads((sweep_dir / "sweep.json").read_text())
+
+
+def test_one_row_per_trial_matching_the_manifest_the_study_and_the_records(sweep_dir):
+    sweep = load_sweep(sweep_dir)
+    entries = manifest_of(sweep_dir)["trials"]
+    study = optuna.load_study(study_name=STUDY, storage=f"sqlite:///{sweep_dir / 'optuna.db'}").trials
+    trials = sweep.trials.set_index("number")
+    assert list(trials.index) == [0, 1, 2, 3] == [t.number for t in study]
+    for t in study:
+        row, entry, record = trials.loc[t.number], entries[str(t.number)], read_run(sweep_dir / str(t.number))
+        assert row["state"] == entry["state"] == t.state.name == row["optuna_state"]
+        assert {k: row[f"param.{k}"] for k in ("kd_ratio", "lr", "lora_rank")} == entry["params"] == t.params
+        assert row["started"].timestamp() == pytest.approx(entry["started"])
+        assert row["duration_s"] == pytest.approx(entry["ended"] - entry["started"])
+        assert row["run_dir"] == entry["run_dir"] == str(sweep_dir / str(t.number))
+        assert row["pid"] == entry["job"]["pid"] and row["slurm_job_id"] is None
+        assert row["status"] == record["status"] and row["steps"] == record["steps"]
+        assert row["wandb_run_id"] == record["wandb"]["id"]
+        if t.state.name == "COMPLETE":
+            assert row["objective.student_ce"] == pytest.approx(t.value) == pytest.approx(record["objective"])
+        else:
+            assert row["objective.student_ce"] != row["objective.student_ce"]  # NaN: no objective without COMPLETE
+    pruned = trials[trials["state"] == "PRUNED"]
+    assert 2 in pruned.index and (pruned["pruned_step"] == pruned["steps"]).all()
+    assert trials.loc[2, "pruned_step"] == 2 == study[2].last_step
+    assert sweep.best_number() == min((t for t in study if t.state.name == "COMPLETE"), key=lambda t: t.value).number
+
+
+def test_history_holds_every_logged_row_in_order(sweep_dir):
+    sweep = load_sweep(sweep_dir, study=False)
+    for n in range(4):
+        rows = read_metrics(sweep_dir / str(n))
+        mine = sweep.history[sweep.history["trial"] == n]
+        assert len(mine) == len(rows) == len((sweep_dir / str(n) / "metrics.jsonl").read_text().splitlines())
+        assert list(zip(mine["kind"], mine["step"])) == [(r["kind"], r["step"]) for r in rows]
+        for column in ("loss", "student_ce", "grad_norm", "kl"):
+            expected = [r.get(column) for r in rows]
+            got = [None if v != v else v for v in mine[column]]  # NaN where a row lacks the metric
+            assert got == pytest.approx(expected), (n, column)
+    assert set(sweep.history[sweep.history["trial"] == 2]["step"]) == {0, 1, 2}  # pruned at its first eval
+
+
+def test_wandb_offline_runs_read_back_one_per_trial_complete(sweep_dir):
+    sweep = load_sweep(sweep_dir, study=False)
+    wandb = load_wandb_runs(sweep_dir)
+    runs = wandb.runs.set_index("trial")
+    assert sorted(runs.index) == [0, 1, 2, 3]
+    assert set(runs["group"]) == {STUDY} and set(runs["state"]) == {"finished"}
+    assert list(runs["name"]) == [f"trial-{n}" for n in runs.index]
+    assert list(runs["run_id"]) == list(sweep.trials.set_index("number").loc[runs.index, "wandb_run_id"])
+    for n in range(4):
+        record = read_run(sweep_dir / str(n))
+        assert runs.loc[n, "config"]["kd_ratio"] == record["config"]["kd_ratio"]
+        assert runs.loc[n, "summary.objective"] == pytest.approx(record["objective"])
+        jsonl = sweep.history[sweep.history["trial"] == n].set_index(["kind", "step"]).sort_index()
+        logged = wandb.history[wandb.history["trial"] == n].set_index(["kind", "step"]).sort_index()
+        assert list(logged.index) == list(jsonl.index)  # every step, once
+        for column in ("loss", "ce", "lr", "student_ce", "kl"):
+            assert list(logged[column].fillna(-1)) == pytest.approx(list(jsonl[column].fillna(-1))), (n, column)
+
+
+def test_notebook_tells_the_story_and_saves_its_figures(sweep_dir, tmp_path):
+    figures = tmp_path / "figures"
+    nb = execute(NOTEBOOK, {"sweep_dir": str(sweep_dir), "figures_dir": str(figures)}, cwd=tmp_path)
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    assert load_sweep(sweep_dir, study=False).reproduce_command() in text.splitlines()
+    assert "trial 2 at step 2" in text  # the pruned trials are named
+
+    names = {"importances", "objective_vs_params", "pairwise", "parallel_coordinates", "learning_curves"}
+    assert {p.stem for p in figures.glob("*.png")} == names
+    shown = sum(1 for o in outputs if "image/png" in o.get("data", {}))
+    assert shown == len(names)
+    (ARTIFACTS / "analysis").mkdir(parents=True, exist_ok=True)
+    for name in names:
+        png = (figures / f"{name}.png").read_bytes()
+        width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
+        assert png[:8] == PNG and len(png) > 5_000 and width >= 300 and height >= 200, name
+        shutil.copy(figures / f"{name}.png", ARTIFACTS / "analysis" / f"{name}.png")
+    import nbformat
+
+    nbformat.write(nb, ARTIFACTS / "analysis" / "sweep_analysis.executed.ipynb")
+
+
+def test_reproduce_command_composes_the_best_trials_config(sweep_dir, tmp_path):
+    sweep = load_sweep(sweep_dir, study=False)
+    best = sweep.best_number()
+    argv = shlex.split(sweep.reproduce_command(best, run_dir=tmp_path / "again"))
+    assert argv[:3] == ["python", "-m", "kdsweep"]
+    entry = manifest_of(sweep_dir)["trials"][str(best)]
+    assert argv[3:-1] == [a for a in entry["args"] if not a.startswith(("trial.", "hydra.run.dir="))]
+    out = subprocess.run([sys.executable, *argv[1:], "--cfg", "job", "--resolve"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    composed, ran = yaml.safe_load(out.stdout), read_run(sweep_dir / str(best))["config"]
+    ignore = ("output_dir", "trial")
+    assert {k: v for k, v in composed.items() if k not in ignore} == {k: v for k, v in ran.items() if k not in ignore}
+    assert argv[-1] == f"hydra.run.dir={tmp_path / 'again'}"
+
+
+def test_a_copied_sweep_is_read_from_its_new_place_and_a_missing_record_is_one_line(sweep_dir, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(sweep_dir, copy, ignore=shutil.ignore_patterns("checkpoints"))
+    moved = load_sweep(copy)
+    assert list(moved.trials["run_dir"]) == [str(copy / str(n)) for n in range(4)]
+    assert len(moved.history) == len(load_sweep(sweep_dir, study=False).history)
+    assert len(load_wandb_runs(copy).runs) == 4
+
+    (copy / "optuna.db").unlink()
+    with pytest.raises(ConfigError, match="study storage .* does not exist"):
+        load_sweep(copy)
+    assert not (copy / "optuna.db").exists()  # not created empty by trying
+    (copy / "0" / "run.json").unlink()
+    with pytest.raises(ConfigError, match=r"trial 0 is COMPLETE but .*/copy/0/run.json is missing") as e:
+        load_sweep(copy, study=False)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="is not a kdsweep sweep directory"):
+        load_sweep(copy / "0")
