@@ -5,8 +5,9 @@ later ``wandb sync`` (compute nodes often have no internet). The run id is deriv
 (or from the run directory), so a requeued or resumed job logs into the same run, and its history never holds
 a step twice: an attempt that ends cleanly (completed, pruned, preempted at a signal) notes the last step W&B
 got; the next attempt sends only later steps, first replaying from metrics.jsonl those that an attempt killed
-before it could finish W&B may have lost (W&B writes offline history only at the end). Keys stay in the
-environment (WANDB_API_KEY, ~/.netrc): nothing here writes or logs them.
+before it could finish W&B may have lost. (A killed attempt's offline file may hold some of them already:
+readers of offline runs keep one row per step, and the server ignores steps it has when they are synced.)
+Keys stay in the environment (WANDB_API_KEY, ~/.netrc): nothing here writes or logs them.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ log = logging.getLogger(__name__)
 
 
 class TrialHandle:
-    """``report(step, value) -> should_stop`` against trial ``number`` of the sweep in ``sweep_dir``."""
+    """``report(step, evals) -> should_stop`` against trial ``number`` of the sweep in ``sweep_dir``: the study's
+    (first) objective, e.g. ``student_ce`` or ``kl``, is what the pruner sees."""
 
     def __init__(self, sweep_dir: str, number: int) -> None:
         import optuna
@@ -30,8 +31,10 @@ class TrialHandle:
         self.trial = optuna.trial.Trial(study, trial_id)
         self.number = number
         self.can_prune = not settings.multi_objective  # Optuna cannot prune multi-objective trials
+        self.objective = settings.objectives[0]
 
-    def report(self, step: int, value: float) -> bool:
+    def report(self, step: int, evals: dict[str, float]) -> bool:
+        value = float(evals[self.objective])
         if not self.can_prune or not math.isfinite(value):
             return False
         self.trial.report(value, step)

@@ -27,9 +27,9 @@ log = logging.getLogger(__name__)
 
 
 class Reporter(Protocol):
-    """How a run tells a sweep about its evals; ``True`` from ``report`` means: stop now (pruned)."""
+    """How a run tells a sweep about its evals (EvalResult's fields by name); ``True`` means: stop now (pruned)."""
 
-    def report(self, step: int, value: float) -> bool: ...
+    def report(self, step: int, evals: dict[str, float]) -> bool: ...
 
 
 class Preemption(Protocol):
@@ -39,7 +39,7 @@ class Preemption(Protocol):
 
 
 class _NullReporter:
-    def report(self, step: int, value: float) -> bool:
+    def report(self, step: int, evals: dict[str, float]) -> bool:
         return False
 
 
@@ -309,7 +309,7 @@ def _train(
             if step % cfg.train.eval_every == 0 and step < cfg.train.max_steps:
                 ev = evaluate_now()
                 metrics.log("eval", step, asdict(ev))
-                pruned = dist.any(reporter.report(step, ev.student_ce))  # rank 0 decides (others hold a null reporter)
+                pruned = dist.any(reporter.report(step, asdict(ev)))  # rank 0 decides (others hold a null reporter)
             preempted = dist.any(preemption is not None and preemption.requested)  # signals may reach ranks apart
             periodic = cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0
             if periodic or step == cfg.train.max_steps or pruned or preempted:
@@ -334,7 +334,7 @@ def _train(
     eval_after = evaluate_now()
     metrics.log("eval", step, asdict(eval_after))
     if status == "completed":
-        reporter.report(step, eval_after.student_ce)
+        reporter.report(step, asdict(eval_after))
     metrics.close({"objective": eval_after.student_ce, "status": status, "steps": step,
                    **{f"eval/{k}": v for k, v in asdict(eval_after).items()}})
     log.info(

@@ -67,10 +67,11 @@ def test_unreachable_storage_is_one_line_without_the_password(tmp_path):
     assert "cannot be reached" in str(e.value)
 
 
-@pytest.mark.parametrize("kind", ["sqlite", "journal"])
-def test_trial_handle_reports_and_prunes_through_the_storage(tmp_path, kind, monkeypatch):
+@pytest.mark.parametrize("kind,objective", [("sqlite", "student_ce"), ("journal", "kl")])
+def test_trial_handle_reports_and_prunes_through_the_storage(tmp_path, kind, objective, monkeypatch):
     url = f"sqlite:///{tmp_path / 'o.db'}" if kind == "sqlite" else f"journal://{tmp_path / 'j' / 'study.log'}"
-    settings = S.SweepSettings(study_name="h", storage=url, pruner="median", pruner_startup_trials=1)
+    settings = S.SweepSettings(study_name="h", storage=url, pruner="median", pruner_startup_trials=1,
+                               objectives=(objective,))
     Manifest.open(tmp_path, settings, [], [])
     monkeypatch.setenv(STORAGE_ENV, url)
     study = optuna.create_study(study_name="h", storage=S.make_storage(url), pruner=S.make_pruner(settings))
@@ -81,7 +82,8 @@ def test_trial_handle_reports_and_prunes_through_the_storage(tmp_path, kind, mon
     study.tell(first, 0.5)
     second = study.ask(dist)
     handle = TrialHandle(str(tmp_path), second.number)  # as a job would: from the sweep dir and the number
-    assert handle.report(1, 5.0) is True  # far worse than the completed trial's median at step 1
+    evals = {"student_ce": 0.1, "kl": 0.1, objective: 5.0}  # the study's objective is what the pruner sees
+    assert handle.report(1, evals) is True  # far worse than the completed trial's median at step 1
     reloaded = optuna.load_study(study_name="h", storage=S.make_storage(url))
     assert reloaded.trials[1].intermediate_values == {1: 5.0}
     assert reloaded.trials[1].state == optuna.trial.TrialState.RUNNING  # only the controller tells states
