@@ -3,7 +3,7 @@
 Same search space (conf/hparams_search/kd_optuna.yaml), budget (--n-trials, --concurrency) and sampler seed:
 
 - async: the real `python -m kdsweep -m hparams_search=kd_optuna` (refills a slot as soon as a trial ends,
-  median pruner), timed from its launch; trials read back from its sweep.json.
+  its pruner: percentile 75 as shipped), timed from its launch; trials read back from its sweep.json.
 - batch: what hydra-optuna-sweeper does with a parallel launcher: ask `concurrency` trials from a TPE study with
   the same seed and a NopPruner, run them as concurrent `python -m kdsweep hparams_search=kd_optuna <params>`
   processes (the same fixed overrides the sweep gives its trials; OMP_NUM_THREADS = cores // concurrency like

@@ -88,6 +88,8 @@ def judge(run_dir: Path, exit_code: int | str, objectives: tuple[str, ...], atte
         return Outcome("COMPLETE", values=values)
     if status == "pruned":
         return Outcome("PRUNED")
+    if exit_code == "CANCELLED":  # by a user (scancel): not retried
+        return Outcome("FAIL", reason="the SLURM job was cancelled (scancel)")
     # a signal, or an end the job did not choose (vanished, cancelled, timed out, node failure) mid-run
     killed = (isinstance(exit_code, int) and exit_code < 0) or (isinstance(exit_code, str) and status in (None, "running", "preempted"))
     if killed or status == "preempted":
@@ -119,17 +121,31 @@ class Controller:
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # the controller logs what happens to each trial
         self.settings, self.space, self.base, self.sweep_dir, self.backend = settings, space, base_overrides, sweep_dir, backend
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        self.manifest = Manifest.open(sweep_dir, settings, [p.describe() for p in space], base_overrides)
         url = connect_url(settings, sweep_dir)  # a resumed command holds user:***@: the password from the env
+        storage = make_storage(url)  # unreachable: one line, before the sweep directory holds anything
+        self.manifest = Manifest.open(sweep_dir, settings, [p.describe() for p in space], base_overrides)
         os.environ[STORAGE_ENV] = url  # jobs get the storage (and any password) from their environment only
         self.study = optuna.create_study(
-            study_name=settings.study_name, storage=make_storage(url), load_if_exists=True,
-            sampler=make_sampler(settings, space), pruner=make_pruner(settings), directions=list(settings.directions),
+            study_name=settings.study_name, storage=storage, load_if_exists=True,
+            sampler=make_sampler(settings, space, resumed_trials=len(self.manifest.trials)),
+            pruner=make_pruner(settings), directions=list(settings.directions),
         )
         self.distributions = {p.key: p.distribution() for p in space}
+        self.start_failures = 0
         if not self.manifest.trials:  # a new sweep: the given points go first
             for point in settings.enqueue:
                 self.study.enqueue_trial(dict(point))
+        self._fail_orphans()
+
+    def _fail_orphans(self) -> None:
+        """Trials the study has but the manifest does not: a controller died between ask and saving the trial."""
+        from optuna.trial import TrialState
+
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            if str(t.number) not in self.manifest.trials:
+                self.study._storage.set_trial_user_attr(t._trial_id, "reason", "the controller died before starting it")
+                self.study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
+                log.warning("trial %d was asked but never started (the controller died): recorded FAIL", t.number)
 
     # -- one trial ---------------------------------------------------------------------------------------
     def _args(self, number: int, params: dict[str, Any]) -> list[str]:
@@ -138,8 +154,20 @@ class Controller:
                 f"trial.number={number}", f"trial.study={self.settings.study_name}", f"hydra.run.dir={run_dir}"]
 
     def _start(self, number: int) -> None:
+        from kdsweep.config.schema import ConfigError
+
         entry = self.manifest.trial(number)
-        job = self.backend.start(entry["args"], Path(entry["run_dir"]))
+        try:
+            job = self.backend.start(entry["args"], Path(entry["run_dir"]))
+        except ConfigError as e:  # the scheduler refused this job: the trial fails, the sweep goes on ...
+            self.start_failures += 1
+            self.manifest.put(number, job=None, attempts=entry.get("attempts", 0))
+            self._record(number, Outcome("FAIL", reason=str(e)), exit_code=None)
+            if self.start_failures >= 3:  # ... unless nothing can start at all
+                raise ConfigError(f"{self.start_failures} trials in a row could not be submitted ({e}); fix it and "
+                                  f"run `kdsweep resume {self.sweep_dir}`") from None
+            return
+        self.start_failures = 0
         self.manifest.put(number, state="RUNNING", job=job, attempts=entry.get("attempts", 0) + 1,
                           started=entry.get("started") or time.time(), last_start=time.time())
         log.info("trial %d started (%s): %s", number, job_name(job), " ".join(f"{k}={v}" for k, v in entry["params"].items()))
@@ -153,8 +181,6 @@ class Controller:
         self._start(trial.number)
 
     def _finish(self, number: int, exit_code: int | str) -> None:
-        from optuna.trial import TrialState
-
         entry = self.manifest.trial(number)
         outcome = judge(Path(entry["run_dir"]), exit_code, self.settings.objectives, entry["attempts"],
                         self.settings.retries, entry["job"].get("logs", []))
@@ -162,6 +188,11 @@ class Controller:
             log.warning("trial %d: %s", number, outcome.reason)
             self._start(number)
             return
+        self._record(number, outcome, exit_code)
+
+    def _record(self, number: int, outcome: Outcome, exit_code: int | str | None) -> None:
+        from optuna.trial import TrialState
+
         trial_id = self.study._storage.get_trial_id_from_study_id_trial_number(self.study._study_id, number)
         if outcome.reason:
             self.study._storage.set_trial_user_attr(trial_id, "reason", outcome.reason)
@@ -203,14 +234,18 @@ def job_name(job: dict[str, Any] | None) -> str:
 def summary_lines(manifest: Manifest) -> list[str]:
     """A table of the sweep's trials (state, objective, job, duration, params, output dir), best marked."""
     trials = sorted(manifest.trials.values(), key=lambda e: e["number"])
-    done = [t for t in trials if t["state"] == "COMPLETE"]
-    best = min(done, key=lambda t: t["values"][0])["number"] if done and len(done[0]["values"]) == 1 else None
+    signs = [1 if d == "minimize" else -1 for d in manifest.data["settings"]["directions"]]
+    done = [(t["number"], [s * v for s, v in zip(signs, t["values"])]) for t in trials if t["state"] == "COMPLETE"]
+    # the best trial; with several objectives, every trial no other one beats on all of them (the Pareto front)
+    front = {n for n, v in done if not any(w != v and all(a <= b for a, b in zip(w, v)) for _, w in done)}
+    best = {min(done, key=lambda d: d[1])[0]} if done and len(signs) == 1 else front
+    tag = "  <- best" if len(signs) == 1 else "  <- pareto"
     lines = [f"{'trial':>5}  {'state':<8} {'objective':>10}  {'job':<12} {'time':>6}  params  (output dir)"]
     for t in trials:
         objective = ",".join(f"{v:.4f}" for v in t["values"]) if t.get("values") else "-"
         seconds = (t.get("ended") or time.time()) - t["started"] if t.get("started") else None
         duration = "-" if seconds is None else f"{seconds:.0f}s" if seconds < 600 else f"{seconds / 60:.0f}m"
-        mark = "  <- best" if t["number"] == best else ""
+        mark = tag if t["number"] in best else ""
         params = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in t["params"].items())
         lines.append(f"{t['number']:>5}  {t['state']:<8} {objective:>10}  {job_name(t.get('job')):<12} {duration:>6}  "
                      f"{params}  ({t['run_dir']}){mark}"

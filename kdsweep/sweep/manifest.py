@@ -18,6 +18,8 @@ from kdsweep.sweep.study import SweepSettings, redact, storage_url
 
 STORAGE_ENV = "KDSWEEP_STORAGE_URL"
 FINAL = ("COMPLETE", "PRUNED", "FAIL")
+FIXED_ON_RESUME = ("storage", "sampler", "seed", "pruner", "pruner_startup_trials", "pruner_warmup_steps",
+                   "pruner_percentile", "objectives", "directions")
 
 
 class Manifest:
@@ -36,6 +38,7 @@ class Manifest:
             "base_overrides": base_overrides,
             "trials": {},
         }
+        fresh = json.loads(json.dumps(fresh))  # as it reads back from disk (tuples become lists), to compare
         if not path.exists():
             m = cls(path, fresh)
             m.save()
@@ -47,6 +50,14 @@ class Manifest:
                     f"{sweep_dir} holds a sweep with a different {what} ({data[key]} vs now {fresh[key]}); "
                     "resume it unchanged, or start the new search in another hydra.sweep.dir"
                 )
+        # Every process builds the sampler and pruner from these, and the study keeps its objectives: they stay.
+        changed = [f"{k}: {data['settings'].get(k, v)!r} -> {v!r}" for k, v in fresh["settings"].items()
+                   if k in FIXED_ON_RESUME and data["settings"].get(k, v) != v]
+        if changed:
+            raise ConfigError(
+                f"{sweep_dir} holds a sweep with other settings ({'; '.join(changed)}); resume it with its own, "
+                "or start the new search in another hydra.sweep.dir (n_trials, max_concurrent and retries may change)"
+            )
         data["settings"] = fresh["settings"]  # budget and concurrency may change on resume
         return cls(path, data)
 

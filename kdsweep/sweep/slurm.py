@@ -19,9 +19,12 @@ from typing import Any
 
 from kdsweep.config.schema import ConfigError
 
-# States after which SLURM will not run the job again (a REQUEUED or PENDING job is still on its way).
+# States after which SLURM will not run the job again (a REQUEUED or PENDING job is still on its way) ...
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
          "DEADLINE")
+# ... except these, which a cluster that requeues (JobRequeue=1, PreemptMode=REQUEUE) turns back into PENDING:
+# believed only once they have lasted this long.
+MAYBE_REQUEUED, REQUEUE_GRACE_S = ("PREEMPTED", "NODE_FAIL"), 120.0
 
 
 class TrialJob:
@@ -81,6 +84,7 @@ class SlurmJobs:
         self._executor = None
         self._known: dict[str, tuple[str, str]] = {}
         self._missing: dict[str, int] = {}
+        self._seen_ended: dict[str, float] = {}
         self._when = 0.0
 
     def preflight(self) -> None:
@@ -133,8 +137,12 @@ class SlurmJobs:
             return "gone"
         state, exit_code = self._known.get(job_id, ("", ""))
         if state not in ENDED:
+            self._seen_ended.pop(job_id, None)
             return None  # pending, running, requeued, or not listed yet
-        del self._missing[job_id]
+        first = self._seen_ended.setdefault(job_id, time.time())
+        if state in MAYBE_REQUEUED and time.time() - first < REQUEUE_GRACE_S:
+            return None
+        del self._missing[job_id], self._seen_ended[job_id]
         if state == "COMPLETED":
             return 0
         if state == "FAILED":

@@ -49,6 +49,14 @@ class Param:
             return IntDistribution(self.low, self.high, log=self.log, step=self.step or 1)
         return CategoricalDistribution(list(self.choices))
 
+    def values(self) -> list[Any]:
+        """Every value of a finite space (choices, or a range's steps), for the grid sampler."""
+        if self.kind == "categorical":
+            return list(self.choices)
+        if self.kind == "int" and self.step:
+            return list(range(self.low, self.high + 1, self.step))
+        raise ConfigError(f"hydra.sweeper.sampler=grid needs {self.key} as choice(...) or range(...), not an interval")
+
     def corners(self) -> list[Any]:
         """The values that bound the space: both ends of a range, every choice."""
         return list(self.choices) if self.kind == "categorical" else [self.low, self.high]
@@ -108,6 +116,9 @@ def parse_space(params: dict[str, str]) -> list[Param]:
                 raise ConfigError(f"{where}: a log scale needs a positive lower bound")
             space.append(Param(key=key, kind=kind, low=low, high=high, log="log" in value.tags))
         elif isinstance(value, RangeSweep):
+            if not all(float(v).is_integer() for v in (value.start, value.stop, value.step)) or value.step <= 0:
+                raise ConfigError(f"{where}: range() takes integers and a positive step; for real numbers use "
+                                  "interval(a,b) or choice(a,b,...)")
             items = list(override.sweep_iterator())
             if not items:
                 raise ConfigError(f"{where}: the range is empty")

@@ -94,7 +94,8 @@ def _filesystem_type(path: Path) -> str:
     best, kind = "", ""
     for line in Path("/proc/mounts").read_text().splitlines():
         parts = line.split()
-        if len(parts) >= 3 and str(path).startswith(parts[1]) and len(parts[1]) > len(best):
+        inside = str(path) == parts[1] or str(path).startswith(parts[1].rstrip("/") + "/") if len(parts) >= 3 else False
+        if inside and len(parts[1]) > len(best):
             best, kind = parts[1], parts[2]
     return kind
 
@@ -132,18 +133,21 @@ def make_storage(url: str) -> Any:
         ) from None
 
 
-def make_sampler(settings: SweepSettings, space: list[Any]) -> Any:
+def make_sampler(settings: SweepSettings, space: list[Any], resumed_trials: int = 0) -> Any:
+    """The sweep's sampler. A resumed sweep seeds it past the trials it already has: the same seed again would
+    propose the same points again."""
     import optuna
 
+    seed = None if settings.seed is None else settings.seed + resumed_trials
+
     if settings.sampler == "tpe":
-        return optuna.samplers.TPESampler(seed=settings.seed)
+        # constant_liar: trials still running count as bad guesses, so concurrent asks do not all land together
+        return optuna.samplers.TPESampler(seed=seed, constant_liar=settings.max_concurrent > 1)
     if settings.sampler == "gp":
-        return optuna.samplers.GPSampler(seed=settings.seed)
+        return optuna.samplers.GPSampler(seed=seed)  # needs scipy once past its random start-up trials
     if settings.sampler == "random":
-        return optuna.samplers.RandomSampler(seed=settings.seed)
-    if any(p.kind != "categorical" for p in space):
-        raise ConfigError("hydra.sweeper.sampler=grid needs every parameter as choice(...) or range(...)")
-    return optuna.samplers.GridSampler({p.key: list(p.choices) for p in space}, seed=settings.seed)
+        return optuna.samplers.RandomSampler(seed=seed)
+    return optuna.samplers.GridSampler({p.key: p.values() for p in space}, seed=seed)
 
 
 def make_pruner(settings: SweepSettings) -> Any:

@@ -113,6 +113,7 @@ def test_resume_after_kill_9_of_the_controller(tmp_path, zoo_dirs):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     before = {n: t for n, t in manifest(sweep_dir)["trials"].items() if t["state"] == "COMPLETE"}
+    running = {n: t["job"]["pid"] for n, t in manifest(sweep_dir)["trials"].items() if t["state"] == "RUNNING"}
 
     out = subprocess.run([sys.executable, "-m", "kdsweep", "resume", str(sweep_dir)], cwd=tmp_path,
                          capture_output=True, text=True, timeout=600)
@@ -122,6 +123,10 @@ def test_resume_after_kill_9_of_the_controller(tmp_path, zoo_dirs):
     assert all(t["state"] == "COMPLETE" for t in after.values())
     for n, t in before.items():  # nothing finished was lost or redone
         assert after[n]["values"] == t["values"] and after[n]["ended"] == t["ended"]
+    for n, pid in running.items():  # the jobs still running were re-attached to, not restarted
+        assert after[n]["job"]["pid"] == pid and after[n]["attempts"] == 1
+    points = [tuple(sorted(t["params"].items())) for t in after.values()]
+    assert len(set(points)) == len(points)  # the resumed sampler proposed no old point again
     trials = study(sweep_dir, "resume").trials
     assert len(trials) == 4 and [t.number for t in trials] == [0, 1, 2, 3]
     status = subprocess.run([sys.executable, "-m", "kdsweep", "status", str(sweep_dir)], capture_output=True, text=True)

@@ -52,7 +52,7 @@ class KdsweepOptunaSweeper(Sweeper):
         space = parse_space(params)
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
         backend = self._backend(settings)
-        self._validate_points(base, space, sweep_dir)
+        self._validate_points(base, space, settings.enqueue, sweep_dir)
         controller = Controller(settings, space, base, sweep_dir, backend)
         controller.manifest.data["command"] = [redact(a) for a in sys.argv[1:]]  # never a password on disk
         controller.manifest.save()
@@ -81,11 +81,13 @@ class KdsweepOptunaSweeper(Sweeper):
             "(local processes; dist.nproc_per_node=N for ranks) or hydra/launcher=submitit_slurm"
         )
 
-    def _validate_points(self, base: list, space: list, sweep_dir: Path) -> None:
-        """Every corner of the space (both ends of each range, every choice) must make a valid job."""
+    def _validate_points(self, base: list, space: list, enqueue: Any, sweep_dir: Path) -> None:
+        """Every corner of the space (both ends of each range, every choice) and every enqueued point must make a
+        valid job."""
         from kdsweep.app import validate_composed
 
         points = [[]] + [[f"{p.key}={v}"] for p in space for v in p.corners()]
+        points += [[f"{k}={v}" for k, v in point.items()] for point in enqueue]
         for extra in points:
             cfg = self.hydra_context.config_loader.load_sweep_config(self.config, [*base, *extra])
             validate_composed(cfg, str(sweep_dir / "validation"))

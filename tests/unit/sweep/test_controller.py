@@ -1,0 +1,85 @@
+"""The controller's bookkeeping on real Optuna storages: resume, orphans, judging, the status table."""
+
+import json
+
+import optuna
+import pytest
+
+from kdsweep.config import ConfigError
+from kdsweep.sweep.controller import Controller, LocalProcesses, judge, summary_lines
+from kdsweep.sweep.manifest import Manifest
+from kdsweep.sweep.space import parse_space
+from kdsweep.sweep.study import SweepSettings
+
+SPACE = {"kd_ratio": "interval(0.0,1.0)", "lora_rank": "choice(4,8,16)"}
+
+
+def controller(tmp_path, **settings):
+    s = SweepSettings(**{"study_name": "c", "sampler": "random", "seed": 0, "pruner": "none", **settings})
+    return Controller(s, parse_space(SPACE), ["train=smoke"], tmp_path, LocalProcesses(1))
+
+
+def test_a_resumed_sweep_does_not_propose_its_old_points_again(tmp_path):
+    first = controller(tmp_path)
+    old = []
+    for _ in range(3):
+        trial = first.study.ask(first.distributions)
+        first.manifest.put(trial.number, params=trial.params, state="COMPLETE", values=[1.0], run_dir=str(tmp_path))
+        old.append(trial.params)
+    again = controller(tmp_path)  # the same command, same seed, after the controller died
+    new = [again.study.ask(again.distributions).params for _ in range(3)]
+    assert not any(p in old for p in new)
+
+
+def test_a_trial_asked_but_never_saved_is_failed_on_resume(tmp_path):
+    first = controller(tmp_path)
+    lost = first.study.ask(first.distributions)  # the controller died right after ask
+    again = controller(tmp_path)
+    t = again.study.trials[lost.number]
+    assert t.state == optuna.trial.TrialState.FAIL and "controller died" in t.user_attrs["reason"]
+
+
+@pytest.mark.parametrize("change", [{"pruner": "median"}, {"seed": 1}, {"objectives": ("kl",)}])
+def test_resume_refuses_settings_every_process_must_share(tmp_path, change):
+    controller(tmp_path)
+    with pytest.raises(ConfigError, match="holds a sweep with other settings"):
+        controller(tmp_path, **change)
+    controller(tmp_path, n_trials=20, max_concurrent=4)  # budget and concurrency may change
+
+
+def test_an_unreachable_storage_leaves_no_sweep_behind(tmp_path):
+    with pytest.raises(ConfigError, match="cannot be reached"):
+        controller(tmp_path / "sweep", storage="sqlite:////no/such/dir/x.db")
+    assert not (tmp_path / "sweep" / "sweep.json").exists()
+
+
+def test_judge(tmp_path):
+    (tmp_path / "run.json").write_text(json.dumps({"status": "running"}))
+    assert judge(tmp_path, "CANCELLED", ("student_ce",), 1, 3).state == "FAIL"  # scancel: not retried
+    assert judge(tmp_path, "TIMEOUT", ("student_ce",), 1, 3).state == "RETRY"
+    assert judge(tmp_path, -9, ("student_ce",), 4, 3).state == "FAIL"  # retries are bounded
+    (tmp_path / "run.json").write_text(json.dumps({"status": "completed", "eval_after": {"student_ce": float("nan")}}))
+    assert "not finite" in judge(tmp_path, 0, ("student_ce",), 1, 3).reason
+
+
+def test_status_marks_the_best_trial_by_direction_and_the_pareto_front(tmp_path):
+    def table(directions, values):
+        s = SweepSettings(study_name="t", objectives=("student_ce", "kl")[:len(directions)], directions=directions)
+        (tmp_path / "_".join(directions)).mkdir()
+        m = Manifest.open(tmp_path / "_".join(directions), s, [], [])
+        for n, v in enumerate(values):
+            m.put(n, state="COMPLETE", values=v, params={}, run_dir="d")
+        return [line.endswith(("<- best", "<- pareto")) for line in summary_lines(m)[1:]]
+
+    assert table(("minimize",), [[2.0], [1.0], [3.0]]) == [False, True, False]
+    assert table(("maximize",), [[2.0], [1.0], [3.0]]) == [False, False, True]
+    assert table(("minimize", "minimize"), [[1.0, 3.0], [2.0, 2.0], [3.0, 3.0]]) == [True, True, False]
+
+
+def test_range_mistakes_and_grid_over_a_range():
+    with pytest.raises(ConfigError, match="range\\(\\) takes integers"):
+        parse_space({"lr": "range(0.001,0.01,0.003)"})
+    with pytest.raises(ConfigError, match="range\\(\\) takes integers"):
+        parse_space({"train.max_steps": "range(100,20,-20)"})
+    (p,) = parse_space({"train.max_steps": "range(20,100,20)"})
+    assert p.values() == [20, 40, 60, 80]
