@@ -129,18 +129,39 @@ class DataConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class LossConfig:
-    """``loss = (1-kd_ratio)·CE(student, labels) + kd_ratio·T²·KL(teacher_T ‖ student_T)``."""
+    """``loss = (1-kd_ratio)·CE(student, labels) + kd_ratio·f(T)·D(teacher_T, student_T)``, f(T) = T² (T for tvd).
+
+    D is one of :attr:`DIVERGENCES` (kdsweep.losses.divergences documents each formula and the temperature factor).
+    """
+
+    DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "jsd_normalized", "tvd", "symmetric")
+    """Allowed ``divergence`` values (the same tuple as ``kdsweep.losses.DIVERGENCES``; a test keeps them equal)."""
+    IMPLS = ("dense", "chunked")
+    """Allowed ``impl`` values; the fused path (hidden states → loss chunk by chunk) is not available yet."""
 
     kd_ratio: float = 0.5
     """Weight of the distillation term; set from the top-level knob ``kd_ratio``."""
     temperature: float = 1.0
     """Softmax temperature T applied to both teacher and student logits in the KD term."""
     divergence: str = "forward_kl"
-    """Divergence D(teacher ‖ student); see DIVERGENCES."""
+    """Divergence D between teacher T and student S: forward_kl KL(T‖S), reverse_kl KL(S‖T), jsd (generalised
+    Jensen-Shannon JSD(β)), jsd_normalized JSD(β)/(β(1-β)), tvd (total variation),
+    symmetric (1-β)·KL(T‖S) + β·KL(S‖T)."""
+    beta: float = 0.5
+    """β in [0, 1] of jsd (the teacher's weight in the mixture), jsd_normalized and symmetric (0 = forward-KL end,
+    1 = reverse-KL end); unused by the other divergences."""
+    impl: str = "chunked"
+    """How the loss is computed: chunked (``num_chunks`` token chunks, bounds the fp32 working set) or dense (one
+    chunk, ``num_chunks`` ignored). Same values and gradients either way."""
     num_chunks: int = 8
-    """Token chunks the loss is computed over (bounds the fp32 working set)."""
+    """Token chunks the loss is computed over with ``impl=chunked`` (bounds the fp32 working set)."""
     ignore_index: int = -100
     """Label value excluded from every loss term and token count."""
+
+    @property
+    def chunks(self) -> int:
+        """The number of token chunks ``impl`` asks for: ``num_chunks``, or 1 for dense."""
+        return 1 if self.impl == "dense" else self.num_chunks
 
     def __post_init__(self) -> None:
         _check(
@@ -153,8 +174,17 @@ class LossConfig:
             f"loss.temperature={self.temperature} must be > 0; pass loss.temperature=1.0 (or another positive value)",
         )
         _check(
-            self.divergence in DIVERGENCES,
-            f"loss.divergence={self.divergence!r} is unknown; use one of {', '.join(DIVERGENCES)}",
+            self.divergence in self.DIVERGENCES,
+            f"loss.divergence={self.divergence!r} is unknown; use one of {', '.join(self.DIVERGENCES)}",
+        )
+        _check(
+            0.0 <= self.beta <= 1.0,
+            f"loss.beta={self.beta} is outside [0, 1]; pass loss.beta=<value in [0, 1]> "
+            "(0 = forward-KL end, 1 = reverse-KL end of jsd_normalized and symmetric)",
+        )
+        _check(
+            self.impl in self.IMPLS,
+            f"loss.impl={self.impl!r} is unknown; use one of {', '.join(self.IMPLS)} (fused is not available yet)",
         )
         _check(self.num_chunks >= 1, f"loss.num_chunks={self.num_chunks} must be >= 1")
 

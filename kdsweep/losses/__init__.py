@@ -1,5 +1,19 @@
 """Pure KD loss math (imports only torch)."""
 
+from kdsweep.losses.divergences import (
+    DIVERGENCES,
+    check_divergence,
+    divergence_per_token,
+    divergence_sum,
+    forward_kl,
+    jsd,
+    jsd_normalized,
+    log_probs,
+    reverse_kl,
+    symmetric_kl,
+    temperature_factor,
+    total_variation,
+)
 from kdsweep.losses.kd import (
     LossSums,
     align_vocab,
@@ -11,11 +25,23 @@ from kdsweep.losses.kd import (
 )
 
 __all__ = [
+    "DIVERGENCES",
     "LossSums",
     "align_vocab",
+    "check_divergence",
     "cross_entropy_sum",
+    "divergence_per_token",
+    "divergence_sum",
+    "forward_kl",
     "forward_kl_per_token",
     "forward_kl_sum",
+    "jsd",
+    "jsd_normalized",
     "kd_loss_sums",
+    "log_probs",
+    "reverse_kl",
     "split_chunks",
+    "symmetric_kl",
+    "temperature_factor",
+    "total_variation",
 ]

@@ -14,14 +14,24 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from kdsweep.losses.divergences import (
+    check_divergence,
+    divergence_per_token,
+    finite_teacher,
+    forward_kl,
+    log_probs,
+    temperature_factor,
+    upcast,
+)
+
 
 class LossSums(NamedTuple):
-    """Token sums of one batch. ``kd`` already carries the T² factor, so ``total`` is a plain mix."""
+    """Token sums of one batch. ``kd`` already carries the temperature factor, so ``total`` is a plain mix."""
 
     ce: torch.Tensor
     """Σ cross-entropy of the student against the labels (fp32 scalar)."""
     kd: torch.Tensor
-    """Σ T²·KL(teacher_T ‖ student_T) (fp32 scalar)."""
+    """Σ f(T)·D(teacher_T, student_T) for the chosen divergence D, f(T) = T² (T for tvd) (fp32 scalar)."""
     kl: torch.Tensor
     """Σ KL(teacher ‖ student) at temperature 1, detached: the distance to the teacher, for logging."""
     tokens: torch.Tensor
@@ -63,7 +73,7 @@ def valid_mask(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     """Σ over valid tokens of −log softmax(logits)[label]; logits ``[N, V]``, labels ``[N]``; fp32."""
-    return F.cross_entropy(logits.float(), labels, ignore_index=ignore_index, reduction="sum")
+    return F.cross_entropy(upcast(logits), labels, ignore_index=ignore_index, reduction="sum")
 
 
 def forward_kl_per_token(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -72,9 +82,7 @@ def forward_kl_per_token(student_logits: torch.Tensor, teacher_logits: torch.Ten
     Zero-based: identical distributions give exactly 0 (unlike the cross-entropy to the teacher, which adds
     the teacher's entropy and so changes with the teacher, not with the student).
     """
-    log_p_s = F.log_softmax(student_logits.float() / temperature, dim=-1)
-    log_p_t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
-    return F.kl_div(log_p_s, log_p_t, reduction="none", log_target=True).sum(-1)
+    return forward_kl(log_probs(student_logits, temperature), finite_teacher(log_probs(teacher_logits, temperature)))
 
 
 def forward_kl_sum(
@@ -90,20 +98,44 @@ def forward_kl_sum(
     return torch.where(valid_mask(labels, ignore_index), per_token, 0.0).sum()
 
 
+def _check_shapes(student_logits: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor) -> None:
+    leading = tuple(student_logits.shape[:-1])
+    if student_logits.dim() < 2 or tuple(teacher.shape[:-1]) != leading or tuple(labels.shape) != leading:
+        raise ValueError(
+            f"kd_loss_sums: student logits {tuple(student_logits.shape)}, teacher {tuple(teacher.shape)} and labels "
+            f"{tuple(labels.shape)} must share their leading (token) shape, with the vocabulary last "
+            "(same batch, same sequence length, labels without a vocabulary dimension)"
+        )
+
+
 def kd_loss_sums(
     student_logits: torch.Tensor,
     teacher_logits: torch.Tensor,
     labels: torch.Tensor,
     *,
+    divergence: str = "forward_kl",
+    beta: float = 0.5,
     temperature: float = 1.0,
     ignore_index: int = -100,
     num_chunks: int = 1,
+    teacher_logprobs: bool = False,
 ) -> LossSums:
-    """CE and T²-scaled forward KL sums over ``num_chunks`` token chunks.
+    """CE, the temperature-scaled KD divergence and the T=1 forward KL, summed over valid tokens in ``num_chunks`` chunks.
 
-    student_logits ``[..., Vs]``, teacher_logits ``[..., Vt]`` (vocabularies aligned by :func:`align_vocab`),
-    labels ``[...]`` with the same leading shape; everything is flattened to tokens first.
+    student_logits ``[..., Vs]``; teacher_logits ``[..., Vt]``: logits, or log-probabilities at T = 1 when
+    ``teacher_logprobs`` (e.g. a cached teacher); labels ``[...]`` with the same leading shape. Everything is
+    flattened to tokens; the vocabularies are cut to the smaller one (:func:`align_vocab`) and both
+    distributions renormalised there in fp32. ``divergence`` is one of
+    :data:`~kdsweep.losses.divergences.DIVERGENCES`, ``beta`` its β (jsd, jsd_normalized, symmetric);
+    ``kd = temperature_factor(divergence, T)·Σ D(teacher_T, student_T)`` (T², or T for tvd). Chunking changes
+    neither values nor gradients beyond fp32 summation order. Raises a one-line ValueError for shapes that
+    cannot be aligned or a bad divergence, β or temperature.
     """
+    _check_shapes(student_logits, teacher_logits, labels)
+    check_divergence(divergence, beta, temperature)
+    if num_chunks < 1:
+        raise ValueError(f"num_chunks={num_chunks} must be >= 1")
+    factor = temperature_factor(divergence, temperature)
     student_logits, teacher_logits = align_vocab(student_logits, teacher_logits)
     v = student_logits.shape[-1]
     s, t, y = student_logits.reshape(-1, v), teacher_logits.reshape(-1, v), labels.reshape(-1)
@@ -111,13 +143,20 @@ def kd_loss_sums(
     kd = s.new_zeros((), dtype=torch.float32)
     kl = s.new_zeros((), dtype=torch.float32)
     for s_c, t_c, y_c in split_chunks(num_chunks, s, t, y):
-        ce = ce + cross_entropy_sum(s_c, y_c, ignore_index)
-        kd_c = forward_kl_sum(s_c, t_c, y_c, temperature=temperature, ignore_index=ignore_index)
-        kd = kd + kd_c
+        valid = valid_mask(y_c, ignore_index)
+        log_p_s = log_probs(s_c, temperature)
+        log_p_t = finite_teacher(log_probs(t_c, temperature))
+        d = divergence_per_token(divergence, log_p_s, log_p_t, beta=beta)
+        kd = kd + torch.where(valid, d, 0.0).sum()
         if temperature == 1.0:
-            kl = kl + kd_c.detach()
+            # The tempered log-probs are the T=1 ones: reuse them for CE and the logged KL.
+            ce = ce + F.nll_loss(log_p_s, y_c, ignore_index=ignore_index, reduction="sum")
+            with torch.no_grad():
+                kl_tok = d if divergence == "forward_kl" else forward_kl(log_p_s, log_p_t)
+                kl = kl + torch.where(valid, kl_tok, 0.0).sum()
         else:
+            ce = ce + cross_entropy_sum(s_c, y_c, ignore_index)
             with torch.no_grad():
                 kl = kl + forward_kl_sum(s_c, t_c, y_c, temperature=1.0, ignore_index=ignore_index)
     tokens = valid_mask(y, ignore_index).sum()
-    return LossSums(ce=ce, kd=kd * temperature**2, kl=kl, tokens=tokens)
+    return LossSums(ce=ce, kd=kd * factor, kl=kl, tokens=tokens)

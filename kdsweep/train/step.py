@@ -58,7 +58,8 @@ def train_step(
         student_logits = student(input_ids=input_ids).logits
         sums = kd_loss_sums(
             student_logits, teacher_logits, labels,
-            temperature=loss_cfg.temperature, ignore_index=ignore, num_chunks=loss_cfg.num_chunks,
+            divergence=loss_cfg.divergence, beta=loss_cfg.beta,
+            temperature=loss_cfg.temperature, ignore_index=ignore, num_chunks=loss_cfg.chunks,
         )
         (sums.total(loss_cfg.kd_ratio) * scale).backward()
         totals += torch.stack([sums.ce, sums.kd, sums.kl]).detach()

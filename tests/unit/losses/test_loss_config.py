@@ -1,0 +1,64 @@
+"""LossConfig: the divergence settings validate in one line, and the train step passes them to the loss."""
+
+import pytest
+import torch
+
+from kdsweep.config import ConfigError, LossConfig
+
+
+@pytest.mark.parametrize(
+    "kwargs,field,fix",
+    [
+        (dict(beta=1.5), "loss.beta=1.5", "pass loss.beta=<value in [0, 1]>"),
+        (dict(beta=-0.01), "loss.beta=-0.01", "pass loss.beta=<value in [0, 1]>"),
+        (dict(beta=float("nan")), "loss.beta=nan", "pass loss.beta="),
+        (dict(temperature=0.0), "loss.temperature=0.0", "pass loss.temperature=1.0"),
+        (dict(temperature=-2.0), "loss.temperature=-2.0", "pass loss.temperature=1.0"),
+        (dict(divergence="js"), "loss.divergence='js'", "use one of forward_kl, reverse_kl, jsd, jsd_normalized, tvd, symmetric"),
+        (dict(impl="fused"), "loss.impl='fused' is unknown", "use one of dense, chunked"),
+        (dict(impl="sparse"), "loss.impl='sparse' is unknown", "use one of dense, chunked"),
+    ],
+)
+def test_bad_loss_settings_name_the_field_and_the_fix_in_one_line(kwargs, field, fix):
+    with pytest.raises(ConfigError) as e:
+        LossConfig(**kwargs)
+    message = str(e.value)
+    assert field in message and fix in message and "\n" not in message
+
+
+@pytest.mark.parametrize("divergence", LossConfig.DIVERGENCES)
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_every_divergence_and_beta_end_is_accepted(divergence, beta):
+    assert LossConfig(divergence=divergence, beta=beta).divergence == divergence
+
+
+def test_impl_chooses_the_chunks():
+    assert LossConfig().impl == "chunked" and LossConfig().chunks == 8
+    assert LossConfig(impl="chunked", num_chunks=5).chunks == 5
+    assert LossConfig(impl="dense", num_chunks=5).chunks == 1
+
+
+@pytest.mark.parametrize(
+    "divergence,beta,impl", [("tvd", 0.5, "chunked"), ("jsd_normalized", 0.2, "dense"), ("reverse_kl", 0.5, "chunked")]
+)
+def test_train_step_passes_the_divergence_settings(divergence, beta, impl):
+    """The logged KD term of a one-micro-batch step is the loss engine's, with these settings."""
+    from helpers import tiny_llama
+    from kdsweep.distributed import single_process
+    from kdsweep.losses import kd_loss_sums
+    from kdsweep.train.step import train_step
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 96, (2, 9), generator=g)
+    y = torch.randint(0, 96, (2, 9), generator=g)
+    y[1, 4:] = -100
+    student, teacher = tiny_llama(seed=1).train(), tiny_llama(seed=3).eval().requires_grad_(False)
+    with torch.no_grad():
+        s_logits, t_logits = student(input_ids=x).logits, teacher(input_ids=x).logits
+        want = kd_loss_sums(s_logits, t_logits, y, divergence=divergence, beta=beta, temperature=2.0)
+    cfg = LossConfig(divergence=divergence, beta=beta, impl=impl, temperature=2.0, kd_ratio=0.5)
+    opt = torch.optim.SGD(student.parameters(), lr=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    stats = train_step(student, teacher, [(x, y)], opt, sched, loss_cfg=cfg, max_grad_norm=0.0, dist=single_process())
+    assert stats.kd == pytest.approx((want.kd / want.tokens).item(), rel=1e-5)
+    assert stats.kl == pytest.approx((want.kl / want.tokens).item(), rel=1e-5)
