@@ -136,8 +136,8 @@ class LossConfig:
 
     DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "jsd_normalized", "tvd", "symmetric")
     """Allowed ``divergence`` values (the same tuple as ``kdsweep.losses.DIVERGENCES``; a test keeps them equal)."""
-    IMPLS = ("dense", "chunked")
-    """Allowed ``impl`` values; the fused path (hidden states → loss chunk by chunk) is not available yet."""
+    IMPLS = ("dense", "chunked", "fused")
+    """Allowed ``impl`` values."""
 
     kd_ratio: float = 0.5
     """Weight of the distillation term; set from the top-level knob ``kd_ratio``."""
@@ -151,8 +151,10 @@ class LossConfig:
     """β in [0, 1] of jsd (the teacher's weight in the mixture), jsd_normalized and symmetric (0 = forward-KL end,
     1 = reverse-KL end); unused by the other divergences."""
     impl: str = "chunked"
-    """How the loss is computed: chunked (``num_chunks`` token chunks, bounds the fp32 working set) or dense (one
-    chunk, ``num_chunks`` ignored). Same values and gradients either way."""
+    """How the loss is computed. dense: from the models' full logits in one piece; chunked: the same logits, the
+    loss in ``num_chunks`` token chunks (bounds the fp32 temporaries, not what backward keeps); fused: from the
+    final hidden states, each chunk projected by the output layers and recomputed in backward, so the B×T×V
+    logits never exist. Same values and gradients (to fp32 rounding) either way."""
     num_chunks: int = 8
     """Token chunks the loss is computed over with ``impl=chunked`` (bounds the fp32 working set)."""
     ignore_index: int = -100
@@ -184,7 +186,7 @@ class LossConfig:
         )
         _check(
             self.impl in self.IMPLS,
-            f"loss.impl={self.impl!r} is unknown; use one of {', '.join(self.IMPLS)} (fused is not available yet)",
+            f"loss.impl={self.impl!r} is unknown; use one of {', '.join(self.IMPLS)}",
         )
         _check(self.num_chunks >= 1, f"loss.num_chunks={self.num_chunks} must be >= 1")
 

@@ -248,7 +248,8 @@ def _train(
     sampler = StepSampler(len(train_seqs), d.batch_size, cfg.train.seed)
     eval_batches = eval_batches_of_rank(eval_seqs, d.eval_batch_size, dist, device, cfg.loss.ignore_index)
     evaluate_now = lambda: evaluate(
-        student, teacher, eval_batches, ignore_index=cfg.loss.ignore_index, dist=dist, num_chunks=cfg.loss.num_chunks
+        student, teacher, eval_batches, ignore_index=cfg.loss.ignore_index, dist=dist, num_chunks=cfg.loss.num_chunks,
+        fused=cfg.loss.impl == "fused",
     )
 
     ckpt_root = out / "checkpoints"

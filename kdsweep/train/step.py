@@ -10,6 +10,7 @@ from torch import nn
 from kdsweep.config.schema import LossConfig
 from kdsweep.distributed import DistEnv
 from kdsweep.losses import LossSums, align_vocab, cross_entropy_sum, forward_kl_sum, kd_loss_sums, split_chunks
+from kdsweep.train.fused import final_hidden, fused_loss_sums, frozen_projection
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 """(input_ids ``[B, T]``, labels ``[B, T]``): labels already shifted, ``ignore_index`` where a token does not count."""
@@ -27,6 +28,46 @@ class StepStats:
     tokens: int
     grad_norm: float
     lr: float
+
+
+def micro_batch_backward(student: nn.Module, teacher: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
+                         loss_cfg: LossConfig, scale: torch.Tensor) -> LossSums:
+    """Forward and backward of one micro-batch's loss (its sums times ``scale``); returns the sums, detached.
+
+    ``loss.impl`` says how: from full logits (dense, chunked), or from the final hidden states through the output
+    layers chunk by chunk (fused: the B×T×V logits never exist; the teacher's projection stays callable until
+    backward has recomputed every chunk)."""
+    kw = {"divergence": loss_cfg.divergence, "beta": loss_cfg.beta, "temperature": loss_cfg.temperature,
+          "ignore_index": loss_cfg.ignore_index}
+    if loss_cfg.impl == "fused":
+        with torch.no_grad():
+            teacher_hidden = final_hidden(teacher, input_ids)
+        with frozen_projection(teacher) as teacher_head:
+            sums = fused_loss_sums(student, input_ids, teacher_hidden, teacher_head, labels,
+                                   num_chunks=loss_cfg.chunks, **kw)
+            (sums.total(loss_cfg.kd_ratio) * scale).backward()
+    else:
+        with torch.no_grad():
+            teacher_logits = teacher(input_ids=input_ids).logits
+        sums = kd_loss_sums(student(input_ids=input_ids).logits, teacher_logits, labels, num_chunks=loss_cfg.chunks, **kw)
+        (sums.total(loss_cfg.kd_ratio) * scale).backward()
+    return LossSums(*(t.detach() for t in sums))
+
+
+def _eval_chunks(student: nn.Module, teacher: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
+                 num_chunks: int, fused: bool):
+    """(student logits, teacher logits, labels) of each token chunk, vocabularies aligned; with ``fused`` each
+    chunk is projected from the final hidden states on its own, so no B×T×V tensor exists."""
+    y = labels.reshape(-1)
+    if not fused:
+        s_logits, t_logits = align_vocab(student(input_ids=input_ids).logits, teacher(input_ids=input_ids).logits)
+        v = s_logits.shape[-1]
+        yield from split_chunks(num_chunks, s_logits.reshape(-1, v), t_logits.reshape(-1, v), y)
+        return
+    h_s, h_t = final_hidden(student, input_ids), final_hidden(teacher, input_ids)
+    with frozen_projection(student) as head_s, frozen_projection(teacher) as head_t:  # both frozen here
+        for hs_c, ht_c, y_c in split_chunks(num_chunks, h_s.reshape(-1, h_s.shape[-1]), h_t.reshape(-1, h_t.shape[-1]), y):
+            yield (*align_vocab(head_s(hs_c), head_t(ht_c)), y_c)
 
 
 def train_step(
@@ -53,16 +94,8 @@ def train_step(
     scale = dist.world_size / global_tokens.clamp_min(1.0)
     totals = torch.zeros(3, dtype=torch.float32, device=global_tokens.device)  # Σce, Σkd, Σkl
     for input_ids, labels in micro_batches:
-        with torch.no_grad():
-            teacher_logits = teacher(input_ids=input_ids).logits
-        student_logits = student(input_ids=input_ids).logits
-        sums = kd_loss_sums(
-            student_logits, teacher_logits, labels,
-            divergence=loss_cfg.divergence, beta=loss_cfg.beta,
-            temperature=loss_cfg.temperature, ignore_index=ignore, num_chunks=loss_cfg.chunks,
-        )
-        (sums.total(loss_cfg.kd_ratio) * scale).backward()
-        totals += torch.stack([sums.ce, sums.kd, sums.kl]).detach()
+        sums = micro_batch_backward(student, teacher, input_ids, labels, loss_cfg, scale)
+        totals += torch.stack([sums.ce, sums.kd, sums.kl])
     params = [p for p in student.parameters() if p.requires_grad]
     # max_norm=inf measures the norm without clipping.
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
@@ -95,7 +128,8 @@ class EvalResult:
 
 @torch.no_grad()
 def evaluate(
-    student: nn.Module, teacher: nn.Module, batches: list[Batch], *, ignore_index: int, dist: DistEnv, num_chunks: int = 8
+    student: nn.Module, teacher: nn.Module, batches: list[Batch], *, ignore_index: int, dist: DistEnv, num_chunks: int = 8,
+    fused: bool = False,
 ) -> EvalResult:
     """Student CE, KL(teacher‖student) and teacher CE on held-out batches; the student is left in train mode.
 
@@ -105,12 +139,9 @@ def evaluate(
     student.eval()
     sums = None  # Σ student ce, Σ kl, Σ teacher ce, tokens
     for input_ids, labels in batches:
-        s_logits, t_logits = align_vocab(student(input_ids=input_ids).logits, teacher(input_ids=input_ids).logits)
-        v = s_logits.shape[-1]
-        s, t, y = s_logits.reshape(-1, v), t_logits.reshape(-1, v), labels.reshape(-1)
         if sums is None:
-            sums = torch.zeros(4, dtype=torch.float64, device=y.device)
-        for s_c, t_c, y_c in split_chunks(num_chunks, s, t, y):
+            sums = torch.zeros(4, dtype=torch.float64, device=labels.device)
+        for s_c, t_c, y_c in _eval_chunks(student, teacher, input_ids, labels, num_chunks, fused):
             sums += torch.stack([
                 cross_entropy_sum(s_c, y_c, ignore_index),
                 forward_kl_sum(s_c, t_c, y_c, temperature=1.0, ignore_index=ignore_index),

@@ -112,6 +112,16 @@ def test_sharding_options_keep_the_result(one_rank, tmp_path):
     assert_same_run(one_rank, run_dir)
 
 
+@pytest.mark.parametrize("options", [[], ["dist=fsdp2_local"],
+                                     ["dist=fsdp2_local", "dist.reshard_after_forward=false", "dist.activation_checkpointing=true"]])
+def test_fused_loss_matches_dense(one_rank, tmp_path, options):
+    """loss.impl=fused (hidden states projected chunk by chunk by the LoRA output layers, FSDP-sharded on 2 ranks)
+    trains exactly as the dense logits path on one rank."""
+    run_dir = tmp_path / "fused"
+    kdsweep(*SMALL, "loss.impl=fused", "loss.num_chunks=5", *options, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert_same_run(one_rank, run_dir)
+
+
 TOO_MANY = len(os.sched_getaffinity(0)) + 1
 def test_bf16_mixed_precision_and_bf16_weights_run(tmp_path, zoo_dirs):
     """Numerics differ from fp32 by design; these runs must train and give a finite objective near it."""

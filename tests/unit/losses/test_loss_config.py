@@ -15,8 +15,7 @@ from kdsweep.config import ConfigError, LossConfig
         (dict(temperature=0.0), "loss.temperature=0.0", "pass loss.temperature=1.0"),
         (dict(temperature=-2.0), "loss.temperature=-2.0", "pass loss.temperature=1.0"),
         (dict(divergence="js"), "loss.divergence='js'", "use one of forward_kl, reverse_kl, jsd, jsd_normalized, tvd, symmetric"),
-        (dict(impl="fused"), "loss.impl='fused' is unknown", "use one of dense, chunked"),
-        (dict(impl="sparse"), "loss.impl='sparse' is unknown", "use one of dense, chunked"),
+        (dict(impl="sparse"), "loss.impl='sparse' is unknown", "use one of dense, chunked, fused"),
     ],
 )
 def test_bad_loss_settings_name_the_field_and_the_fix_in_one_line(kwargs, field, fix):

@@ -1,0 +1,100 @@
+"""``loss.impl=fused``: the KD loss from final hidden states, chunk by chunk, never holding B×T×V logits.
+
+Both models run their own forward, so FSDP's hooks and peft's wrappers run as usual, but each output layer's
+forward is swapped for the duration of the call: the teacher's returns its input (the final hidden states), the
+student's computes the whole loss instead of logits: each chunk of tokens is projected by the layer's real
+forward (a Linear, a peft LoRA Linear, inside its FSDP unit's unsharded context), scored by ``kd_loss_sums`` against
+the teacher's chunk, under activation checkpointing, so only one chunk's logits exist at a time, in forward and
+again (recomputed) in backward. The student's output layer runs once per step inside the root forward, which is
+where FSDP2 expects it (calling a sharded output layer again after the root forward crashed in backward). The
+teacher's output layer, frozen, is unsharded for the micro-batch (``frozen_projection``) and called directly.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from kdsweep.losses import LossSums, kd_loss_sums, split_chunks
+
+
+def _causal_lm(model: nn.Module) -> nn.Module:
+    """The transformers *ForCausalLM inside a peft wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def output_layer(model: nn.Module) -> nn.Module:
+    return _causal_lm(model).get_output_embeddings()
+
+
+def projection(layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The layer's own forward, without module hooks (its parameters must be unsharded when it runs)."""
+    return type(layer).forward.__get__(layer)
+
+
+@contextmanager
+def _forward_replaced(layer: nn.Module, fn: Callable[[torch.Tensor], Any]) -> Iterator[None]:
+    layer.forward = fn  # an instance attribute: nn.Module.__call__ (and FSDP's hooks around it) run it
+    try:
+        yield
+    finally:
+        del layer.forward
+
+
+def final_hidden(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, T, H]``: what the model's output layer receives (the decoder's last hidden state, after its norm)."""
+    with _forward_replaced(output_layer(model), lambda hidden: hidden):
+        return model(input_ids=input_ids).logits
+
+
+@contextmanager
+def frozen_projection(model: nn.Module) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
+    """The model's output projection, for no-grad use on any chunk until the context ends (FSDP: unsharded till then)."""
+    layer = output_layer(model)
+    sharded = hasattr(layer, "unshard")
+    if sharded:
+        layer.unshard()
+    try:
+        yield projection(layer)
+    finally:
+        if sharded:
+            layer.reshard()
+
+
+def fused_loss_sums(
+    student: nn.Module,
+    input_ids: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_head: Callable[[torch.Tensor], torch.Tensor],
+    labels: torch.Tensor,
+    *,
+    num_chunks: int,
+    **loss_kwargs: Any,
+) -> LossSums:
+    """The sums of ``kd_loss_sums`` (same arguments in ``loss_kwargs``) over ``num_chunks`` token chunks, from the
+    student's forward on ``input_ids`` and the teacher's final hidden states ``[..., Ht]`` (no gradient)."""
+    layer = output_layer(student)
+    student_head = projection(layer)
+    y = labels.reshape(-1)
+    h_t = teacher_hidden.reshape(-1, teacher_hidden.shape[-1]).detach()
+
+    def chunk(hs_c: torch.Tensor, ht_c: torch.Tensor, y_c: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            t_logits = teacher_head(ht_c)
+        sums = kd_loss_sums(student_head(hs_c), t_logits, y_c, num_chunks=1, **loss_kwargs)
+        return torch.stack([sums.ce, sums.kd, sums.kl])
+
+    def loss_instead_of_logits(hidden: torch.Tensor) -> torch.Tensor:
+        h_s = hidden.reshape(-1, hidden.shape[-1])
+        total = h_s.new_zeros(3, dtype=torch.float32)
+        for hs_c, ht_c, y_c in split_chunks(num_chunks, h_s, h_t, y):
+            total = total + checkpoint(chunk, hs_c, ht_c, y_c, use_reentrant=False)
+        return total
+
+    with _forward_replaced(layer, loss_instead_of_logits):
+        ce, kd, kl = student(input_ids=input_ids).logits.unbind()
+    return LossSums(ce=ce, kd=kd, kl=kl.detach(), tokens=(y != loss_kwargs.get("ignore_index", -100)).sum())
