@@ -41,9 +41,10 @@ def peak_mb() -> float:
 def measure(impl: str, vocab: int, hidden: int, bt: int, dtype: str, repeats: int) -> dict:
     """One configuration, in this process: returns time per forward+backward and peak memory."""
     import torch
+    from types import SimpleNamespace
 
     from kdsweep.losses import kd_loss_sums
-    from kdsweep.train.fused import fused_loss_sums
+    from kdsweep.train.fused import frozen_projection, fused_loss_sums
 
     torch.manual_seed(0)
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
@@ -56,18 +57,36 @@ def measure(impl: str, vocab: int, hidden: int, bt: int, dtype: str, repeats: in
     chunks = max(1, bt // CHUNK_TOKENS)
     kw = dict(temperature=1.0, ignore_index=-100)
 
+    class Student(torch.nn.Module):
+        """A causal LM whose decoder output is ``h_s``: what the loss paths see of a real one."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm_head = student_head
+
+        def get_output_embeddings(self) -> torch.nn.Module:
+            return self.lm_head
+
+        def forward(self, input_ids: torch.Tensor) -> SimpleNamespace:
+            return SimpleNamespace(logits=self.lm_head(h_s))
+
+    student, teacher = Student(), SimpleNamespace(get_output_embeddings=lambda: teacher_head)
+
     def step() -> float:
         if impl == "fused":
-            sums = fused_loss_sums(h_s, student_head, h_t, teacher_head, labels, num_chunks=chunks, **kw)
+            with frozen_projection(teacher) as t_head:
+                sums, mixed = fused_loss_sums(student, labels, h_t, t_head, labels, kd_ratio=0.5, num_chunks=chunks, **kw)
+                loss = mixed / sums.tokens
+                loss.backward()
         else:
             with torch.no_grad():
                 t_logits = teacher_head(h_t)
-            sums = kd_loss_sums(student_head(h_s), t_logits, labels, num_chunks=chunks if impl == "chunked" else 1, **kw)
-        loss = sums.total(0.5) / sums.tokens
-        loss.backward()
+            sums = kd_loss_sums(student(labels).logits, t_logits, labels, num_chunks=chunks if impl == "chunked" else 1, **kw)
+            loss = sums.total(0.5) / sums.tokens
+            loss.backward()
         h_s.grad = None
         student_head.weight.grad = None
-        return float(loss)
+        return float(loss.detach())
 
     before = peak_mb()
     step()  # warm-up (and the peak)

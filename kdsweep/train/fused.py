@@ -4,8 +4,8 @@ Both models run their own forward, so FSDP's hooks and peft's wrappers run as us
 forward is swapped for the duration of the call: the teacher's returns its input (the final hidden states), the
 student's computes the whole loss instead of logits: each chunk of tokens is projected by the layer's real
 forward (a Linear, a peft LoRA Linear, inside its FSDP unit's unsharded context), scored by ``kd_loss_sums`` against
-the teacher's chunk, under activation checkpointing, so only one chunk's logits exist at a time, in forward and
-again (recomputed) in backward. The student's output layer runs once per step inside the root forward, which is
+the teacher's chunk and differentiated at once, so only one chunk's logits exist at a time and backward has
+nothing to recompute. The student's output layer runs once per step inside the root forward, which is
 where FSDP2 expects it (calling a sharded output layer again after the root forward crashed in backward). The
 teacher's output layer, frozen, is unsharded for the micro-batch (``frozen_projection``) and called directly.
 """
@@ -17,7 +17,6 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from kdsweep.losses import LossSums, kd_loss_sums, split_chunks
 
@@ -65,6 +64,25 @@ def frozen_projection(model: nn.Module) -> Iterator[Callable[[torch.Tensor], tor
             layer.reshard()
 
 
+class _LossWithGradient(torch.autograd.Function):
+    """Forward computes the loss *and* its gradient chunk by chunk (each chunk's logits live only inside it);
+    backward only scales the stored gradients. Nothing is recomputed, so the output layer costs what it costs in
+    the dense path, and the memory kept for backward is one gradient of the hidden states and of the layer's
+    trainable parameters, not B×T×V logits."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, run: Callable, *params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mixed, stats, grad_hidden, grad_params = run(hidden, params)
+        ctx.save_for_backward(grad_hidden, *grad_params)
+        ctx.mark_non_differentiable(stats)
+        return mixed, stats
+
+    @staticmethod
+    def backward(ctx: Any, g_mixed: torch.Tensor, _g_stats: torch.Tensor) -> tuple[Any, ...]:
+        grad_hidden, *grad_params = ctx.saved_tensors
+        return (grad_hidden * g_mixed, None, *(g * g_mixed for g in grad_params))
+
+
 def fused_loss_sums(
     student: nn.Module,
     input_ids: torch.Tensor,
@@ -72,29 +90,43 @@ def fused_loss_sums(
     teacher_head: Callable[[torch.Tensor], torch.Tensor],
     labels: torch.Tensor,
     *,
+    kd_ratio: float,
     num_chunks: int,
     **loss_kwargs: Any,
-) -> LossSums:
-    """The sums of ``kd_loss_sums`` (same arguments in ``loss_kwargs``) over ``num_chunks`` token chunks, from the
-    student's forward on ``input_ids`` and the teacher's final hidden states ``[..., Ht]`` (no gradient)."""
+) -> tuple[LossSums, torch.Tensor]:
+    """The sums of ``kd_loss_sums`` (same arguments in ``loss_kwargs``, detached) over ``num_chunks`` token chunks,
+    from the student's forward on ``input_ids`` and the teacher's final hidden states ``[..., Ht]``; and the
+    differentiable ``(1 - kd_ratio)·Σce + kd_ratio·Σkd`` (what ``LossSums.total`` gives) to call backward on."""
     layer = output_layer(student)
     student_head = projection(layer)
     y = labels.reshape(-1)
     h_t = teacher_hidden.reshape(-1, teacher_hidden.shape[-1]).detach()
 
-    def chunk(hs_c: torch.Tensor, ht_c: torch.Tensor, y_c: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            t_logits = teacher_head(ht_c)
-        sums = kd_loss_sums(student_head(hs_c), t_logits, y_c, num_chunks=1, **loss_kwargs)
-        return torch.stack([sums.ce, sums.kd, sums.kl])
+    def run(hidden: torch.Tensor, params: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        h_s = hidden.reshape(-1, hidden.shape[-1])
+        stats = h_s.new_zeros(3, dtype=torch.float32)  # Σce, Σkd, Σkl
+        grad_h, grad_p = [], [torch.zeros_like(p) for p in params]
+        for hs_c, ht_c, y_c in split_chunks(num_chunks, h_s, h_t, y):
+            with torch.enable_grad():
+                hs_c = hs_c.detach().requires_grad_()
+                with torch.no_grad():
+                    t_logits = teacher_head(ht_c)
+                sums = kd_loss_sums(student_head(hs_c), t_logits, y_c, num_chunks=1, **loss_kwargs)
+                grads = torch.autograd.grad(sums.total(kd_ratio), [hs_c, *params], allow_unused=True)
+            grad_h.append(grads[0])
+            for acc, g in zip(grad_p, grads[1:]):
+                if g is not None:
+                    acc += g
+            stats += torch.stack([sums.ce, sums.kd, sums.kl]).detach()
+        mixed = (1.0 - kd_ratio) * stats[0] + kd_ratio * stats[1]
+        return mixed, stats, torch.cat(grad_h).reshape(hidden.shape), grad_p
 
     def loss_instead_of_logits(hidden: torch.Tensor) -> torch.Tensor:
-        h_s = hidden.reshape(-1, hidden.shape[-1])
-        total = h_s.new_zeros(3, dtype=torch.float32)
-        for hs_c, ht_c, y_c in split_chunks(num_chunks, h_s, h_t, y):
-            total = total + checkpoint(chunk, hs_c, ht_c, y_c, use_reentrant=False)
-        return total
+        params = [p for p in layer.parameters() if p.requires_grad]  # FSDP: the unsharded ones, during forward
+        mixed, stats = _LossWithGradient.apply(hidden, run, *params)
+        return torch.cat([mixed.reshape(1), stats])  # one tensor where the model returns its logits
 
     with _forward_replaced(layer, loss_instead_of_logits):
-        ce, kd, kl = student(input_ids=input_ids).logits.unbind()
-    return LossSums(ce=ce, kd=kd, kl=kl.detach(), tokens=(y != loss_kwargs.get("ignore_index", -100)).sum())
+        out = student(input_ids=input_ids).logits
+    mixed, (ce, kd, kl) = out[0], out[1:].unbind()
+    return LossSums(ce=ce, kd=kd, kl=kl, tokens=(y != loss_kwargs.get("ignore_index", -100)).sum()), mixed

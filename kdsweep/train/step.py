@@ -43,9 +43,9 @@ def micro_batch_backward(student: nn.Module, teacher: nn.Module, input_ids: torc
         with torch.no_grad():
             teacher_hidden = final_hidden(teacher, input_ids)
         with frozen_projection(teacher) as teacher_head:
-            sums = fused_loss_sums(student, input_ids, teacher_hidden, teacher_head, labels,
-                                   num_chunks=loss_cfg.chunks, **kw)
-            (sums.total(loss_cfg.kd_ratio) * scale).backward()
+            sums, mixed = fused_loss_sums(student, input_ids, teacher_hidden, teacher_head, labels,
+                                          kd_ratio=loss_cfg.kd_ratio, num_chunks=loss_cfg.chunks, **kw)
+            (mixed * scale).backward()
     else:
         with torch.no_grad():
             teacher_logits = teacher(input_ids=input_ids).logits

@@ -45,10 +45,12 @@ def test_fused_equals_dense_in_value_and_gradients(lora, length, chunks, tol):
         t_logits = teacher(input_ids=ids).logits
         t_hidden = final_hidden(teacher, ids)
     dense = kd_loss_sums(dense_model(input_ids=ids).logits, t_logits, labels, num_chunks=1, **kw)
-    dense.total(0.3).backward()
+    (dense.total(0.3) * 0.7).backward()
     with frozen_projection(teacher) as teacher_head:
-        fused = fused_loss_sums(fused_model, ids, t_hidden, teacher_head, labels, num_chunks=chunks, **kw)
-        fused.total(0.3).backward()
+        fused, mixed = fused_loss_sums(fused_model, ids, t_hidden, teacher_head, labels, kd_ratio=0.3,
+                                       num_chunks=chunks, **kw)
+        assert mixed.item() == pytest.approx(fused.total(0.3).item(), rel=1e-6)
+        (mixed * 0.7).backward()  # backward scales the stored gradient by what flows in
 
     for name in ("ce", "kd", "kl"):
         assert getattr(fused, name).item() == pytest.approx(getattr(dense, name).item(), rel=tol, abs=tol), name
