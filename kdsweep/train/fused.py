@@ -54,14 +54,15 @@ def final_hidden(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
 def frozen_projection(model: nn.Module) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
     """The model's output projection, for no-grad use on any chunk until the context ends (FSDP: unsharded till then)."""
     layer = output_layer(model)
-    sharded = hasattr(layer, "unshard")
-    if sharded:
-        layer.unshard()
+    # FSDP: the layer's own unit, or (an output layer tied to the embeddings) the root's
+    owner = layer if hasattr(layer, "unshard") else model if hasattr(model, "unshard") else None
+    if owner is not None:
+        owner.unshard()
     try:
         yield projection(layer)
     finally:
-        if sharded:
-            layer.reshard()
+        if owner is not None:
+            owner.reshard()
 
 
 class _LossWithGradient(torch.autograd.Function):

@@ -24,11 +24,12 @@ def grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
+@pytest.mark.parametrize("divergence", ["forward_kl", "jsd_normalized", "tvd"])
 @pytest.mark.parametrize("lora", [True, False])
 # Odd lengths, chunks of uneven size. One-token chunks project row by row, and fp32 matmuls over 1 row and over 39
 # rows round differently (BLAS blocking): agreement there is 1e-5, elsewhere 1e-6.
 @pytest.mark.parametrize("length,chunks,tol", [(17, 5, 1e-6), (9, 1, 1e-6), (13, 6, 1e-6), (13, 64, 1e-5)])
-def test_fused_equals_dense_in_value_and_gradients(lora, length, chunks, tol):
+def test_fused_equals_dense_in_value_and_gradients(lora, length, chunks, tol, divergence):
     teacher = tiny_llama(vocab=100, hidden=48, seed=1).eval().requires_grad_(False)  # padded teacher vocab
     make = (lambda: lora_student(0)) if lora else (lambda: tiny_llama(vocab=96, hidden=32, seed=2))
     dense_model, fused_model = make(), make()
@@ -39,7 +40,7 @@ def test_fused_equals_dense_in_value_and_gradients(lora, length, chunks, tol):
     labels[0, :4] = IGNORE  # ragged masks: a masked prefix, a masked tail, a fully masked row
     labels[1, length // 2:] = IGNORE
     labels[2] = IGNORE
-    kw = dict(temperature=1.5, ignore_index=IGNORE)
+    kw = dict(temperature=1.5, ignore_index=IGNORE, divergence=divergence, beta=0.3)
 
     with torch.no_grad():
         t_logits = teacher(input_ids=ids).logits
