@@ -1,0 +1,188 @@
+"""Render one dataset row into a training sample: ``input_ids`` and already-shifted ``labels``.
+
+A row is rendered to its full token list ``x[0..n-1]`` and a per-token flag "this token is trained on". The
+sample is ``input_ids = x[:-1]`` and ``labels[t] = x[t+1]`` where ``x[t+1]`` is trained on, else ``ignore_index``
+(the Batch convention of :mod:`kdsweep.train.step`: labels already shifted, same length as the inputs). A document's
+first token is therefore never a label, which is what keeps packed documents independent.
+
+Formats (``FormatSpec.kind``):
+
+* ``text``: ``row[text_column]`` + EOS, every token trained on.
+* ``instruction`` (alpaca-style): the prompt is rendered with :data:`INSTRUCTION_TEMPLATE` (or
+  :data:`INSTRUCTION_TEMPLATE_NO_INPUT` when the input is empty); the response ``row[output_column]`` + EOS is
+  trained on, the prompt masked. Prompt and response are tokenized separately, so the boundary is exact.
+* ``chat``: ``row[messages_column]`` is a list of ``{"role", "content"}`` messages rendered by the tokenizer's own
+  chat template (or ``FormatSpec.chat_template``). Assistant turns are trained on, everything else masked. An
+  assistant turn ``i`` spans the characters between ``render(messages[:i], add_generation_prompt=True)`` and
+  ``render(messages[:i+1])`` (its content and end-of-turn marker); tokens whose first character falls in that
+  span are kept (offsets of a fast tokenizer). A template whose shorter renders are not prefixes of the full one
+  (e.g. one that rewrites earlier turns) is refused with one line.
+
+With ``train_on_prompt`` every token is trained on. ``add_bos`` prepends the tokenizer's BOS to text and
+instruction samples (chat templates write their own). Errors are :class:`~kdsweep.config.schema.ConfigError`,
+one line naming the row and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from kdsweep.config.schema import ConfigError
+
+FORMATS = ("text", "instruction", "chat")
+
+INSTRUCTION_TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+"""Prompt of an instruction row with a non-empty input; the response follows it directly."""
+INSTRUCTION_TEMPLATE_NO_INPUT = "### Instruction:\n{instruction}\n\n### Response:\n"
+"""Prompt of an instruction row whose input is empty or has no column (``input_column=None``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class FormatSpec:
+    """How rows of one dataset become samples."""
+
+    kind: str = "text"
+    """One of :data:`FORMATS`."""
+    text_column: str = "text"
+    """Column of a ``text`` row."""
+    instruction_column: str = "instruction"
+    """Column of an ``instruction`` row's instruction."""
+    input_column: str | None = "input"
+    """Column of an ``instruction`` row's optional input; ``None`` when the dataset has none."""
+    output_column: str = "output"
+    """Column of an ``instruction`` row's response."""
+    messages_column: str = "messages"
+    """Column of a ``chat`` row's list of ``{"role", "content"}`` messages."""
+    chat_template: str | None = None
+    """A Jinja chat template used instead of the tokenizer's own."""
+    train_on_prompt: bool = False
+    """Train on every token, prompts and non-assistant turns included."""
+    add_bos: bool = False
+    """Prepend the tokenizer's BOS token to ``text`` and ``instruction`` samples."""
+    ignore_index: int = -100
+    """Label of a token that is not trained on."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in FORMATS:
+            raise ConfigError(f"unknown data format {self.kind!r}; use one of {', '.join(FORMATS)}")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One rendered row: ``input_ids`` and shifted ``labels`` of equal length."""
+
+    input_ids: list[int]
+    labels: list[int]
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+def shift(tokens: Sequence[int], trained: Sequence[bool], ignore_index: int = -100) -> Sample:
+    """The sample of full token list ``tokens`` where ``trained[i]`` says whether ``tokens[i]`` is a target."""
+    labels = [t if keep else ignore_index for t, keep in zip(tokens[1:], trained[1:])]
+    return Sample(list(tokens[:-1]), labels)
+
+
+def render(row: Mapping[str, Any], spec: FormatSpec, tokenizer: Any, where: str = "row") -> Sample:
+    """The sample of one row; ``where`` names the row in errors (e.g. ``"train.jsonl row 3"``)."""
+    if spec.kind == "chat":
+        tokens, trained = _chat(row, spec, tokenizer, where)
+    else:
+        if spec.kind == "text":
+            pieces = [(_column(row, spec.text_column, "text_column", where), True)]
+        else:
+            pieces = _instruction(row, spec, where)
+        tokens, trained = [], []
+        if spec.add_bos:
+            tokens, trained = [_special(tokenizer, "bos")], [False]
+        for text, is_target in pieces:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            tokens += ids
+            trained += [is_target] * len(ids)
+        tokens.append(_special(tokenizer, "eos"))
+        trained.append(True)
+    if spec.train_on_prompt:
+        trained = [True] * len(tokens)
+    return shift(tokens, trained, spec.ignore_index)
+
+
+def _column(row: Mapping[str, Any], column: str | None, field: str, where: str) -> str:
+    if column not in row:
+        have = ", ".join(map(str, row)) or "none"
+        raise ConfigError(f"{where}: no column {column!r} (columns: {have}); set {field} to the right column")
+    value = row[column]
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}: column {column!r} holds {type(value).__name__}, not text; fix the data or {field}")
+    return value
+
+
+def _instruction(row: Mapping[str, Any], spec: FormatSpec, where: str) -> list[tuple[str, bool]]:
+    instruction = _column(row, spec.instruction_column, "instruction_column", where)
+    given = "" if spec.input_column is None else _column(row, spec.input_column, "input_column", where)
+    if given.strip():
+        prompt = INSTRUCTION_TEMPLATE.format(instruction=instruction, input=given)
+    else:
+        prompt = INSTRUCTION_TEMPLATE_NO_INPUT.format(instruction=instruction)
+    return [(prompt, False), (_column(row, spec.output_column, "output_column", where), True)]
+
+
+def _special(tokenizer: Any, name: str) -> int:
+    token_id = getattr(tokenizer, f"{name}_token_id")
+    if token_id is None:
+        raise ConfigError(f"the tokenizer has no {name.upper()} token; set {name}_token on it")
+    return token_id
+
+
+def _messages(row: Mapping[str, Any], spec: FormatSpec, where: str) -> list[dict[str, str]]:
+    messages = row.get(spec.messages_column)
+    if not isinstance(messages, (list, tuple)) or not messages:
+        got = "nothing" if messages is None else f"{type(messages).__name__} {str(messages)[:40]!r}"
+        raise ConfigError(
+            f"{where}: a chat row needs a non-empty list of messages in column {spec.messages_column!r}, got {got}; "
+            "fix the row or set messages_column"
+        )
+    for i, m in enumerate(messages):
+        if not (isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise ConfigError(f"{where}: message {i} is {str(m)[:60]!r}, not {{'role': str, 'content': str}}")
+    return [dict(m) for m in messages]
+
+
+def _chat(row: Mapping[str, Any], spec: FormatSpec, tokenizer: Any, where: str) -> tuple[list[int], list[bool]]:
+    template = spec.chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        raise ConfigError(
+            f"format 'chat' needs a chat template and tokenizer {name!r} has none; set chat_template or use "
+            "format 'instruction'"
+        )
+    messages = _messages(row, spec, where)
+
+    def text(upto: int, prompt: bool = False) -> str:
+        return tokenizer.apply_chat_template(
+            messages[:upto], chat_template=template, tokenize=False, add_generation_prompt=prompt
+        )
+
+    def before(i: int) -> str:
+        try:
+            return text(i, prompt=True)
+        except Exception:  # noqa: BLE001 - templates that index messages[0] cannot render an empty conversation
+            if i:
+                raise
+            return ""
+
+    full = text(len(messages))
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            start, through = before(i), text(i + 1)
+            if not (full.startswith(start) and full.startswith(through) and len(start) <= len(through)):
+                raise ConfigError(
+                    f"{where}: the chat template renders earlier turns differently once later ones follow, so "
+                    "assistant turns cannot be located; use a template that only appends (set chat_template)"
+                )
+            spans.append((len(start), len(through)))
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    trained = [any(a <= first < b for a, b in spans) for first, _ in enc["offset_mapping"]]
+    return list(enc["input_ids"]), trained
