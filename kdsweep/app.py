@@ -160,6 +160,15 @@ def _launch(run_cfg: RunConfig, raw: dict[str, Any], overrides: list[str]) -> di
     return run_rank(run_cfg, raw, overrides)
 
 
+def _group_grid_runs(raw: dict[str, Any], hc: Any) -> None:
+    """The jobs of a Hydra grid (``-m a=1,2``, not a kdsweep sweep) share a W&B group: their sweep directory."""
+    from hydra.types import RunMode
+
+    wandb = raw.get("logger", {}).get("wandb", {})
+    if hc.mode == RunMode.MULTIRUN and wandb.get("group") is None and not raw.get("trial", {}).get("sweep_dir"):
+        wandb["group"] = str(hc.sweep.dir)
+
+
 def task(cfg: DictConfig) -> float:
     """One KD job; returns the held-out student CE (the objective), the same on every rank."""
     from hydra.core.hydra_config import HydraConfig
@@ -170,6 +179,7 @@ def task(cfg: DictConfig) -> float:
     try:
         raw = resolve(cfg)
         raw["output_dir"] = output_dir
+        _group_grid_runs(raw, hc)
         summary = _launch(validate(raw), raw, overrides)
     except ConfigError as e:
         fail(str(e), output_dir)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 WORDS = "the cat sat on a mat while dogs ran over hills and birds sang in tall green trees".split()
@@ -40,3 +41,13 @@ def save_hf_model(path: Path, tokenizer, *, hidden: int = 32, layers: int = 2, s
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Import into a test module of tiny-tensor tests (gradchecks): one intra-op thread is fastest there, and far
+    faster on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

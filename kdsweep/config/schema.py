@@ -153,7 +153,7 @@ class LossConfig:
     impl: str = "chunked"
     """How the loss is computed. dense: from the models' full logits in one piece; chunked: the same logits, the
     loss in ``num_chunks`` token chunks (bounds the fp32 temporaries, not what backward keeps); fused: from the
-    final hidden states, each chunk projected by the output layers and recomputed in backward, so the B×T×V
+    final hidden states, each chunk projected by the output layers and differentiated at once, so the B×T×V
     logits never exist. Same values and gradients (to fp32 rounding) either way."""
     num_chunks: int = 8
     """Token chunks the loss is computed over with ``impl=chunked`` (bounds the fp32 working set)."""

@@ -94,7 +94,7 @@ def open_sinks(cfg: Any, out: Path, resume_step: int, config: dict[str, Any]) ->
     if cfg.logger.wandb.enabled:
         from kdsweep.metrics.wandb_run import WandbSink
 
-        sink = WandbSink(cfg, out, config)
+        sink = WandbSink(cfg, out, config, resume_step)
         sinks.append(sink)
         wandb_info = sink.info
     return sinks, wandb_info

@@ -67,19 +67,25 @@ def _model_name(source: Any) -> str:
 
 
 class WandbSink:
-    def __init__(self, cfg: Any, out: Path, config: dict[str, Any]) -> None:
+    def __init__(self, cfg: Any, out: Path, config: dict[str, Any], resume_step: int = 0) -> None:
         import wandb
 
         w = cfg.logger.wandb
         mode, why = resolve_mode(w.mode)
         run_id, name, group = run_identity(cfg, out)
         self._state_path = out / "wandb" / "kdsweep_logged.json"
-        self._last = tuple(json.loads(self._state_path.read_text())) if self._state_path.exists() else (-1, -1)
+        resumed = resume_step > 0 and self._state_path.exists()  # a fresh start logs everything again
+        self._last = tuple(json.loads(self._state_path.read_text())) if resumed else (-1, -1)
         tags = [*w.tags, f"teacher:{_model_name(cfg.teacher)}", f"student:{_model_name(cfg.model)}"]
-        self.run = wandb.init(
-            project=w.project, entity=w.entity, group=group, name=name, id=run_id, resume="allow", tags=tags,
-            config=config, dir=str(out), mode=mode, settings=wandb.Settings(console="off", silent=True),
-        )
+        init = dict(project=w.project, entity=w.entity, group=group, name=name, id=run_id, resume="allow", tags=tags,
+                    config=config, dir=str(out), settings=wandb.Settings(console="off", silent=True))
+        try:
+            self.run = wandb.init(mode=mode, **init)
+        except Exception as e:  # noqa: BLE001 - wandb's errors vary (auth, server, network)
+            if mode != "online":
+                raise
+            mode, why = "offline", f"W&B online failed: {str(e).splitlines()[0][:200] if str(e) else type(e).__name__}"
+            self.run = wandb.init(mode=mode, **init)
         self.info = {"id": run_id, "mode": mode, "project": w.project, "entity": w.entity, "group": group,
                      "name": name, "dir": str(Path(self.run.dir).parent) if mode != "disabled" else None}
         if mode == "offline":

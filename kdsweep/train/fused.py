@@ -26,7 +26,19 @@ def _causal_lm(model: nn.Module) -> nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
 def output_layer(model: nn.Module) -> nn.Module:
+    """The model's output layer; refused when the model transforms its logits after it (the fused loss would
+    score untransformed logits)."""
+    from kdsweep.config.schema import ConfigError
+
+    config = getattr(_causal_lm(model), "config", None)
+    for name in LOGIT_TRANSFORMS:
+        if getattr(config, name, None) not in (None, 1, 1.0):
+            raise ConfigError(f"loss.impl=fused: {type(_causal_lm(model)).__name__} applies {name}="
+                              f"{getattr(config, name)} to its logits after the output layer; use loss.impl=chunked")
     return _causal_lm(model).get_output_embeddings()
 
 
@@ -106,7 +118,7 @@ def fused_loss_sums(
     def run(hidden: torch.Tensor, params: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         h_s = hidden.reshape(-1, hidden.shape[-1])
         stats = h_s.new_zeros(3, dtype=torch.float32)  # Σce, Σkd, Σkl
-        grad_h, grad_p = [], [torch.zeros_like(p) for p in params]
+        grad_h, grad_p = [], [torch.zeros_like(p, dtype=torch.float32) for p in params]  # fp32 sums
         for hs_c, ht_c, y_c in split_chunks(num_chunks, h_s, h_t, y):
             with torch.enable_grad():
                 hs_c = hs_c.detach().requires_grad_()
@@ -120,7 +132,7 @@ def fused_loss_sums(
                     acc += g
             stats += torch.stack([sums.ce, sums.kd, sums.kl]).detach()
         mixed = (1.0 - kd_ratio) * stats[0] + kd_ratio * stats[1]
-        return mixed, stats, torch.cat(grad_h).reshape(hidden.shape), grad_p
+        return mixed, stats, torch.cat(grad_h).reshape(hidden.shape), [g.to(p.dtype) for g, p in zip(grad_p, params)]
 
     def loss_instead_of_logits(hidden: torch.Tensor) -> torch.Tensor:
         params = [p for p in layer.parameters() if p.requires_grad]  # FSDP: the unsharded ones, during forward

@@ -60,6 +60,8 @@ class StepProfiler:
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self._prof.__exit__(exc_type, exc, tb)
+        if self.cuda:  # a run that ended before the active steps: stop recording all the same
+            torch.cuda.memory._record_memory_history(enabled=None)
 
     def step(self) -> None:
         self._prof.step()

@@ -35,8 +35,7 @@ def micro_batch_backward(student: nn.Module, teacher: nn.Module, input_ids: torc
     """Forward and backward of one micro-batch's loss (its sums times ``scale``); returns the sums, detached.
 
     ``loss.impl`` says how: from full logits (dense, chunked), or from the final hidden states through the output
-    layers chunk by chunk (fused: the B×T×V logits never exist; the teacher's projection stays callable until
-    backward has recomputed every chunk)."""
+    layers chunk by chunk (fused: the B×T×V logits never exist)."""
     kw = {"divergence": loss_cfg.divergence, "beta": loss_cfg.beta, "temperature": loss_cfg.temperature,
           "ignore_index": loss_cfg.ignore_index}
     if loss_cfg.impl == "fused":

@@ -102,3 +102,16 @@ def test_profiled_run_writes_a_chrome_trace(tmp_path, zoo_dirs):
     assert {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")} == {"ProfilerStep#2", "ProfilerStep#3"}
     assert any(e.get("ph") == "X" and e.get("name", "").startswith("aten::") for e in events)  # real ops, timed
     assert read_run(run_dir)["status"] == "completed"
+
+
+def test_a_hydra_grid_groups_its_runs_by_sweep_directory(tmp_path, zoo_dirs):
+    sweep = tmp_path / "grid"
+    kdsweep("-m", "kd_ratio=0.3,0.7", "train=smoke", "logger.wandb.enabled=true", "checkpoint.export_merged=false",
+            *QUIET, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    runs = []
+    for job in ("0", "1"):
+        (attempt,) = (sweep / job / "wandb").glob("offline-run-*")
+        (run,) = [r["run"] for r in wandb_records(attempt) if r["type"] == "run"]
+        runs.append(run)
+        assert read_run(sweep / job)["wandb"]["group"] == str(sweep)
+    assert {r["run_group"] for r in runs} == {str(sweep)} and len({r["run_id"] for r in runs}) == 2

@@ -18,6 +18,7 @@ from kdsweep.losses import (
     symmetric_kl,
     temperature_factor,
 )
+from helpers import one_thread  # noqa: F401  (autouse: tiny tensors run fastest on one thread)
 
 IGNORE = -100
 BETA_DIVERGENCES = ("jsd", "jsd_normalized", "symmetric")

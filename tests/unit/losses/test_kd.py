@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kdsweep.losses import align_vocab, kd_loss_sums, split_chunks
+from helpers import one_thread  # noqa: F401  (autouse: tiny tensors run fastest on one thread)
 
 IGNORE = -100
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kdsweep.config import ConfigError, LossConfig
+from helpers import one_thread  # noqa: F401  (autouse: tiny tensors run fastest on one thread)
 
 
 @pytest.mark.parametrize(

@@ -69,3 +69,13 @@ def test_hidden_states_project_to_the_models_logits():
     with torch.no_grad(), frozen_projection(model) as head:
         assert torch.allclose(head(final_hidden(model, ids)), model(input_ids=ids).logits, atol=1e-6)
     assert model(input_ids=ids).logits.shape == (2, 7, 96)  # the output layer's own forward is back
+
+
+def test_models_that_transform_their_logits_are_refused():
+    from kdsweep.config import ConfigError
+    from kdsweep.train.fused import output_layer
+
+    model = tiny_llama(vocab=96, hidden=32, seed=5)
+    model.config.final_logit_softcapping = 30.0  # as Gemma 2 does after its output layer
+    with pytest.raises(ConfigError, match="final_logit_softcapping=30.0 .* use loss.impl=chunked"):
+        output_layer(model)
