@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from kdsweep.losses.divergences import (
     check_divergence,
     divergence_per_token,
+    divergence_sum,
     finite_teacher,
     forward_kl,
     log_probs,
@@ -76,15 +77,6 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index: 
     return F.cross_entropy(upcast(logits), labels, ignore_index=ignore_index, reduction="sum")
 
 
-def forward_kl_per_token(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """``[N]`` KL(teacher_T ‖ student_T) = Σ_v p_t (log p_t − log p_s), with p_x = softmax(logits_x / T).
-
-    Zero-based: identical distributions give exactly 0 (unlike the cross-entropy to the teacher, which adds
-    the teacher's entropy and so changes with the teacher, not with the student).
-    """
-    return forward_kl(log_probs(student_logits, temperature), finite_teacher(log_probs(teacher_logits, temperature)))
-
-
 def forward_kl_sum(
     student_logits: torch.Tensor,
     teacher_logits: torch.Tensor,
@@ -93,9 +85,14 @@ def forward_kl_sum(
     temperature: float = 1.0,
     ignore_index: int = -100,
 ) -> torch.Tensor:
-    """Σ over valid tokens of KL(teacher_T ‖ student_T); logits ``[N, V]``, labels ``[N]`` (only the mask is used)."""
-    per_token = forward_kl_per_token(student_logits, teacher_logits, temperature)
-    return torch.where(valid_mask(labels, ignore_index), per_token, 0.0).sum()
+    """Σ over valid tokens of KL(teacher_T ‖ student_T); logits ``[N, V]``, labels ``[N]`` (only the mask is used).
+
+    Zero-based: identical distributions give exactly 0 (unlike the cross-entropy to the teacher, which adds
+    the teacher's entropy and so changes with the teacher, not with the student).
+    """
+    total, _ = divergence_sum(student_logits, teacher_logits, labels, divergence="forward_kl",
+                              temperature=temperature, ignore_index=ignore_index)
+    return total
 
 
 def _check_shapes(student_logits: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor) -> None:
