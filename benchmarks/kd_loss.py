@@ -75,7 +75,7 @@ def measure(impl: str, vocab: int, hidden: int, bt: int, dtype: str, repeats: in
     def step() -> float:
         if impl == "fused":
             with frozen_projection(teacher) as t_head:
-                sums, mixed = fused_loss_sums(student, labels, h_t, t_head, labels, kd_ratio=0.5, num_chunks=chunks, **kw)
+                sums, mixed = fused_loss_sums(student, {"input_ids": labels}, h_t, t_head, labels, kd_ratio=0.5, num_chunks=chunks, **kw)
                 loss = mixed / sums.tokens
                 loss.backward()
         else:

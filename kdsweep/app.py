@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,8 @@ def resolve(cfg: DictConfig) -> dict[str, Any]:
         return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except MissingMandatoryValue as e:
         key = e.full_key
-        raise ConfigError(f"{key} is required but not set; pass {key}=<value> on the command line") from None
+        override = re.sub(r"\[(\d+)\]", r".\1", key)  # data.datasets[0].path is set as data.datasets.0.path=
+        raise ConfigError(f"{key} is required but not set; pass {override}=<value> on the command line") from None
     except OmegaConfBaseException as e:
         raise ConfigError(f"{getattr(e, 'full_key', '') or 'config'}: {e.msg if hasattr(e, 'msg') else e}") from None
 

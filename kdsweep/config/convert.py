@@ -62,7 +62,7 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}={value!r} must be a list, e.g. {key}=[a,b]")
         item = args[0]
-        items = tuple(_coerce(item, v, key) for v in value)
+        items = tuple(_coerce(item, v, f"{key}[{i}]" if dataclasses.is_dataclass(item) else key) for i, v in enumerate(value))
         if args[-1] is not Ellipsis and len(items) != len(args):
             raise ConfigError(f"{key}={list(value)} must have {len(args)} values")
         return items
@@ -97,6 +97,9 @@ def check_key(key: str, groups: tuple[str, ...]) -> None:
         return
     cls: Any = RunConfig
     for i, part in enumerate([head, *rest]):
+        if typing.get_origin(cls) is tuple and part.isdigit():  # data.datasets.0.path: an item of a list of sections
+            cls = typing.get_args(cls)[0]
+            continue
         fields = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
         if part not in fields:
             where = ".".join([head, *rest][:i]) or "the config"

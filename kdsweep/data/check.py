@@ -1,38 +1,53 @@
-"""Cheap checks of the data files before a job starts (no torch, no tokenizer)."""
+"""Cheap checks of the data before a job starts (no torch, no tokenizer loaded).
+
+Every source is opened and its first rows are checked against its format (the columns exist and hold the right
+types, a chat row has messages), a chat source needs a chat template, and a source held out from must keep rows
+for training. The whole of every source is checked when the job tokenizes it, before its first step; a bad row
+further down then fails the job with the same kind of one line, naming the row.
+"""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from kdsweep.config.schema import ConfigError, RunConfig
-from kdsweep.data.text import read_documents
+from kdsweep.data.formats import FormatSpec, chat_template, check_row
+from kdsweep.data.sources import eval_sources, read_rows, train_sources
 
-SUFFIXES = (".txt", ".jsonl")
+PEEK = 100
+"""Rows of each source checked before launch."""
 
 
-def check_files(key: str, files: tuple[str, ...]) -> None:
-    for f in files:
-        p = Path(f)
-        if not p.is_file():
-            raise ConfigError(f"{key}: {f} does not exist; pass {key}=[<existing .txt or .jsonl files>]")
-        if p.suffix not in SUFFIXES:
-            raise ConfigError(f"{key}: {f} is neither .txt (one document per line) nor .jsonl (a 'text' field per row)")
-        try:
-            docs = read_documents(p)
-        except (ValueError, KeyError) as e:
-            raise ConfigError(f"{key}: {f} is not valid {p.suffix} ({type(e).__name__}: {e}); each row needs a 'text' field") from None
-        if not docs:
-            raise ConfigError(f"{key}: {f} is empty (no documents); remove it from {key} or fill it")
+def has_chat_template(tokenizer_dir: Path) -> bool:
+    """Whether the tokenizer saved in ``tokenizer_dir`` carries a chat template."""
+    if any((tokenizer_dir / f).is_file() for f in ("chat_template.jinja", "chat_template.json")):
+        return True
+    config = tokenizer_dir / "tokenizer_config.json"
+    return config.is_file() and bool(json.loads(config.read_text()).get("chat_template"))
 
 
 def preflight_data(cfg: RunConfig) -> None:
     d = cfg.data
-    check_files("data.train_files", d.train_files)
-    check_files("data.eval_files", d.eval_files)
-    if d.train_files and not d.eval_files:
-        n_docs = sum(len(read_documents(f)) for f in d.train_files)
-        if n_docs < 2:
+    template = chat_template(d.chat_template)
+    chat_sources = [key for key, ds in train_sources(d) + eval_sources(d) if ds.format == "chat"]
+    if chat_sources and template is None:
+        # the embedded tiny tokenizer has no chat template
+        if cfg.model.path is None or not has_chat_template(Path(cfg.model.path)):
+            name = cfg.model.path or f"the embedded {cfg.model.zoo}"
             raise ConfigError(
-                f"data.train_files hold {n_docs} document, too few to hold out an eval split; "
-                "pass data.eval_files=[...] or add documents"
+                f"{chat_sources[0]}.format=chat needs a chat template and the tokenizer of {name} has none; "
+                "set data.chat_template=<a template or a .jinja file> or use format instruction"
+            )
+    for key, ds in train_sources(d) + eval_sources(d):
+        rows = read_rows(ds.path, split=ds.split, key=f"{key}.path", limit=PEEK)
+        spec = FormatSpec(kind=ds.format, text_column=ds.text_column, instruction_column=ds.instruction_column,
+                          input_column=ds.input_column, output_column=ds.output_column,
+                          messages_column=ds.messages_column)
+        for i, row in enumerate(rows):
+            check_row(row, spec, where=f"{key}: {ds.path} row {i + 1}")
+        if key.startswith("data.datasets") and not d.eval_datasets and len(rows) < 2:
+            raise ConfigError(
+                f"{key}.path: {ds.path} holds {len(rows)} row, too few to hold out data.eval_fraction for "
+                "evaluation; add rows or set data.eval_datasets=[...]"
             )

@@ -2,7 +2,7 @@
 
 A row is rendered to its full token list ``x[0..n-1]`` and a per-token flag "this token is trained on". The
 sample is ``input_ids = x[:-1]`` and ``labels[t] = x[t+1]`` where ``x[t+1]`` is trained on, else ``ignore_index``
-(the Batch convention of :mod:`kdsweep.train.step`: labels already shifted, same length as the inputs). A document's
+(the convention of :class:`kdsweep.data.batch.Batch`: labels already shifted, same length as the inputs). A document's
 first token is therefore never a label, which is what keeps packed documents independent.
 
 Formats (``FormatSpec.kind``):
@@ -26,11 +26,10 @@ one line naming the row and the fix.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from kdsweep.config.schema import ConfigError
-
-FORMATS = ("text", "instruction", "chat")
+from kdsweep.config.schema import FORMATS, ConfigError
 
 INSTRUCTION_TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 """Prompt of an instruction row with a non-empty input; the response follows it directly."""
@@ -106,6 +105,25 @@ def render(row: Mapping[str, Any], spec: FormatSpec, tokenizer: Any, where: str 
     if spec.train_on_prompt:
         trained = [True] * len(tokens)
     return shift(tokens, trained, spec.ignore_index)
+
+
+def check_row(row: Mapping[str, Any], spec: FormatSpec, where: str = "row") -> None:
+    """The checks of :func:`render` that need no tokenizer: the row has the format's columns, of the right types."""
+    if spec.kind == "chat":
+        _messages(row, spec, where)
+    elif spec.kind == "instruction":
+        _instruction(row, spec, where)
+    else:
+        _column(row, spec.text_column, "text_column", where)
+
+
+def chat_template(value: str | None) -> str | None:
+    """``data.chat_template``: a Jinja template, or the path of a ``.jinja`` file holding one."""
+    if value is None or not value.endswith(".jinja"):
+        return value
+    if not Path(value).is_file():
+        raise ConfigError(f"data.chat_template={value} does not exist; pass a .jinja file or the template itself")
+    return Path(value).read_text(encoding="utf-8")
 
 
 def _column(row: Mapping[str, Any], column: str | None, field: str, where: str) -> str:

@@ -1,4 +1,4 @@
-"""Samples into fixed-length sequences: a length policy, packing with document boundaries, padding.
+"""Samples into fixed-length sequences: a length policy, packing with document boundaries, padding, streaming.
 
 Samples are :class:`~kdsweep.data.formats.Sample` (inputs and already-shifted labels), so each document's labels
 stay inside it: no label of a packed document predicts the next document's first token.
@@ -122,6 +122,8 @@ class Packed:
     labels: torch.Tensor
     position_ids: torch.Tensor
     """Position of each token inside its document (0 at every document start)."""
+    used: torch.Tensor
+    """``[N]`` tokens of each row that belong to a sample (the rest is padding)."""
     stats: PackStats
 
 
@@ -143,6 +145,7 @@ def pack(
     input_ids = torch.full(shape, pad_id, dtype=torch.long)
     labels = torch.full(shape, ignore_index, dtype=torch.long)
     position_ids = torch.zeros(shape, dtype=torch.long)
+    used = torch.zeros(len(bins), dtype=torch.long)
     for row, members in enumerate(bins):
         at = 0
         for i in members:
@@ -152,9 +155,20 @@ def pack(
             position_ids[row, at : at + n] = torch.arange(n)
             at += n
         position_ids[row, at:] = torch.arange(seq_len - at)  # the padding tail is a document of its own
+        used[row] = at
     padding = 1.0 - counts.tokens / max(1, len(bins) * seq_len) if bins else 0.0
     stats = PackStats(**vars(counts), sequences=len(bins), padding_fraction=padding)
-    return Packed(input_ids, labels, position_ids, stats)
+    return Packed(input_ids, labels, position_ids, used, stats)
+
+
+def windows(stream: Sequence[int], seq_len: int) -> torch.Tensor:
+    """``[N, seq_len + 1]`` windows over a token stream, each overlapping the next by one token (inputs are
+    ``w[:-1]``, labels ``w[1:]``, so every token but the first is a label once); the tail is dropped."""
+    ids = torch.tensor(list(stream), dtype=torch.long)
+    n = max(0, (len(ids) - 1) // seq_len)
+    if n == 0:
+        return ids.new_zeros((0, seq_len + 1))
+    return ids[: n * seq_len + 1].unfold(0, seq_len + 1, seq_len).contiguous()
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:

@@ -7,10 +7,14 @@ Documents are concatenated with EOS and cut into windows of ``seq_len + 1`` toke
 from __future__ import annotations
 
 import json
-import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
+
+from kdsweep.data.mixing import hold_out
+
+if TYPE_CHECKING:
+    import torch
 
 EMBEDDED_CORPUS = Path(__file__).parent / "corpus" / "kjv.txt"
 
@@ -22,15 +26,6 @@ def read_documents(path: str | Path) -> list[str]:
     if path.suffix == ".jsonl":
         return [json.loads(line)["text"] for line in lines if line.strip()]
     return [line for line in lines if line.strip()]
-
-
-def split_documents(docs: Sequence[str], eval_fraction: float, seed: int) -> tuple[list[str], list[str]]:
-    """Seeded hold-out of ``eval_fraction`` of the documents (at least one); returns (train, eval)."""
-    order = list(range(len(docs)))
-    random.Random(seed).shuffle(order)
-    n_eval = max(1, round(len(docs) * eval_fraction))
-    held = set(order[:n_eval])
-    return [d for i, d in enumerate(docs) if i not in held], [d for i, d in enumerate(docs) if i in held]
 
 
 @dataclass(frozen=True)
@@ -46,22 +41,14 @@ def load_corpus(train_files: Sequence[str], eval_files: Sequence[str], eval_frac
     train = [d for f in (train_files or [EMBEDDED_CORPUS]) for d in read_documents(f)]
     if eval_files:
         return Corpus(train=train, eval=[d for f in eval_files for d in read_documents(f)])
-    train, held = split_documents(train, eval_fraction, split_seed)
-    return Corpus(train=train, eval=held)
+    kept, held = hold_out(len(train), eval_fraction, split_seed)
+    return Corpus(train=[train[i] for i in kept], eval=[train[i] for i in held])
 
 
 def tokenize_to_sequences(tokenizer: Any, docs: Sequence[str], seq_len: int) -> "torch.Tensor":
     """``[num_sequences, seq_len + 1]`` int64 windows over the EOS-joined token stream (the tail is dropped)."""
-    import torch
+    from kdsweep.data.packing import windows
 
     eos = tokenizer.eos_token_id
-    ids: list[int] = []
-    for doc_ids in tokenizer(list(docs), add_special_tokens=False)["input_ids"]:
-        ids.extend(doc_ids)
-        ids.append(eos)
-    stream = torch.tensor(ids, dtype=torch.long)
-    n = (len(stream) - 1) // seq_len
-    if n == 0:
-        return stream.new_zeros((0, seq_len + 1))
-    # Windows overlap by one token: the label of a window's last input is the next window's first token.
-    return stream[: n * seq_len + 1].unfold(0, seq_len + 1, seq_len).contiguous()
+    ids = tokenizer(list(docs), add_special_tokens=False)["input_ids"]
+    return windows([t for doc in ids for t in (*doc, eos)], seq_len)

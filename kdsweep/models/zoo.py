@@ -10,17 +10,13 @@ an atomic rename, so a killed build never leaves a half-written model behind.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
+from kdsweep.data.cache import built_once, kdsweep_cache
 from kdsweep.data.text import EMBEDDED_CORPUS, load_corpus
 
 log = logging.getLogger(__name__)
@@ -50,7 +46,7 @@ RECIPES: dict[str, dict[str, Any]] = {
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("KDSWEEP_CACHE", Path.home() / ".cache" / "kdsweep")) / "zoo"
+    return kdsweep_cache() / "zoo"
 
 
 def max_positions(name: str) -> int:
@@ -64,28 +60,9 @@ def _digest(*parts: Any) -> str:
     return h.hexdigest()[:16]
 
 
-@contextlib.contextmanager
-def _built_once(name: str, key: str) -> Iterator[tuple[Path, Path | None]]:
-    """Yield (final dir, temp dir to fill or None when already built); the temp dir is renamed on success."""
-    root = cache_root()
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{name}-{key}"
-    with open(root / f".{name}-{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another job building the same artefact: wait for it
-        if final.is_dir():
-            yield final, None
-            return
-        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
-        try:
-            yield final, tmp
-            os.rename(tmp, final)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
 def tokenizer_dir() -> Path:
     """The tiny tokenizer (byte-level BPE on the embedded corpus' training documents), built once."""
-    with _built_once("tokenizer", _digest(TOKENIZER, SPECIAL_TOKENS)) as (final, tmp):
+    with built_once(cache_root(), f"tokenizer-{_digest(TOKENIZER, SPECIAL_TOKENS)}") as (final, tmp):
         if tmp is not None:
             log.info("building the tiny tokenizer (once) in %s", final)
             _train_tokenizer().save_pretrained(tmp)
@@ -115,7 +92,8 @@ def model_dir(name: str) -> Path:
     if name not in ARCHS:
         raise ValueError(f"unknown zoo model {name!r}; known: {', '.join(ARCHS)}")
     tok_dir = tokenizer_dir()
-    with _built_once(name, _digest(TOKENIZER, SPECIAL_TOKENS, ARCHS[name], RECIPES[name])) as (final, tmp):
+    key = _digest(TOKENIZER, SPECIAL_TOKENS, ARCHS[name], RECIPES[name])
+    with built_once(cache_root(), f"{name}-{key}") as (final, tmp):
         if tmp is not None:
             log.info("pre-training the embedded %s (once) into %s", name, final)
             _pretrain(name, tok_dir, tmp)

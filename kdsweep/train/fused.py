@@ -56,10 +56,11 @@ def _forward_replaced(layer: nn.Module, fn: Callable[[torch.Tensor], Any]) -> It
         del layer.forward
 
 
-def final_hidden(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-    """``[B, T, H]``: what the model's output layer receives (the decoder's last hidden state, after its norm)."""
+def final_hidden(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``[B, T, H]``: what the model's output layer receives (the decoder's last hidden state, after its norm)
+    from the forward on ``inputs`` (``input_ids`` and, for packed or padded rows, position ids or a mask)."""
     with _forward_replaced(output_layer(model), lambda hidden: hidden):
-        return model(input_ids=input_ids).logits
+        return model(**inputs).logits
 
 
 @contextmanager
@@ -98,7 +99,7 @@ class _LossWithGradient(torch.autograd.Function):
 
 def fused_loss_sums(
     student: nn.Module,
-    input_ids: torch.Tensor,
+    inputs: dict[str, torch.Tensor],
     teacher_hidden: torch.Tensor,
     teacher_head: Callable[[torch.Tensor], torch.Tensor],
     labels: torch.Tensor,
@@ -108,7 +109,7 @@ def fused_loss_sums(
     **loss_kwargs: Any,
 ) -> tuple[LossSums, torch.Tensor]:
     """The sums of ``kd_loss_sums`` (same arguments in ``loss_kwargs``, detached) over ``num_chunks`` token chunks,
-    from the student's forward on ``input_ids`` and the teacher's final hidden states ``[..., Ht]``; and the
+    from the student's forward on ``inputs`` (as for :func:`final_hidden`) and the teacher's final hidden states ``[..., Ht]``; and the
     differentiable ``(1 - kd_ratio)·Σce + kd_ratio·Σkd`` (what ``LossSums.total`` gives) to call backward on."""
     layer = output_layer(student)
     student_head = projection(layer)
@@ -140,6 +141,6 @@ def fused_loss_sums(
         return torch.cat([mixed.reshape(1), stats])  # one tensor where the model returns its logits
 
     with _forward_replaced(layer, loss_instead_of_logits):
-        out = student(input_ids=input_ids).logits
+        out = student(**inputs).logits
     mixed, (ce, kd, kl) = out[0], out[1:].unbind()
     return LossSums(ce=ce, kd=kd, kl=kl, tokens=(y != loss_kwargs.get("ignore_index", -100)).sum()), mixed

@@ -13,8 +13,9 @@ import torch
 from kdsweep.checkpoint import export as exporting
 from kdsweep.checkpoint import steps as checkpoints
 from kdsweep.config.schema import ConfigError, DataConfig, DistConfig, RunConfig, StudentConfig
+from kdsweep.data.dataset import load_data
+from kdsweep.data.rows import Rows
 from kdsweep.data.sampling import StepSampler
-from kdsweep.data.text import load_corpus, tokenize_to_sequences
 from kdsweep.distributed import DistEnv, device_for, single_process
 from kdsweep.metrics.records import RunRecord
 from kdsweep.metrics.sinks import MetricLogger, open_sinks
@@ -60,12 +61,6 @@ class RunResult:
     exports: dict[str, str] = field(default_factory=dict)
 
 
-def _as_batches(seqs: torch.Tensor, device: torch.device) -> Batch:
-    """Windows ``[B, T+1]`` → (inputs ``[B, T]``, labels ``[B, T]``)."""
-    seqs = seqs.to(device)
-    return seqs[:, :-1], seqs[:, 1:]
-
-
 def peak_memory_mb(device: torch.device) -> float:
     """Peak memory of this rank so far: allocated device memory on GPUs, the process's peak RSS on CPU."""
     if device.type == "cuda":
@@ -75,20 +70,17 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def eval_batches_of_rank(
-    eval_seqs: torch.Tensor, batch_size: int, dist: DistEnv, device: torch.device, ignore_index: int
-) -> list[Batch]:
-    """This rank's share of the held-out windows, in batches.
+def eval_batches_of_rank(rows: Rows, batch_size: int, dist: DistEnv, device: torch.device) -> list[Batch]:
+    """This rank's share of the held-out rows, in batches.
 
     Sharded models run collectives in every forward, so every rank must run the same number of forwards:
     a rank whose share is shorter gets padding batches whose labels are all ignored (they add nothing).
     """
-    share = eval_seqs.tensor_split(dist.world_size)[dist.rank]
-    longest = -(-len(eval_seqs) // dist.world_size)
-    batches = [_as_batches(chunk, device) for chunk in share.split(batch_size)]
-    pad = eval_seqs[:1].to(device)
+    share = torch.arange(len(rows)).tensor_split(dist.world_size)[dist.rank]
+    longest = -(-len(rows) // dist.world_size)
+    batches = [rows.batch(idx).to(device) for idx in share.split(batch_size)]
     while len(batches) < -(-longest // batch_size):
-        batches.append((pad[:, :-1], torch.full_like(pad[:, 1:], ignore_index)))
+        batches.append(rows.batch([0], mask_labels=True).to(device))
     return batches
 
 
@@ -111,8 +103,8 @@ def _warn_idle_knobs(cfg: RunConfig, dist: DistEnv) -> None:
                 log.warning("model.%s has no effect with lora_rank=0 (full fine-tune)", knob)
         if cfg.checkpoint.export_adapter and not cfg.checkpoint.export_merged:
             log.warning("checkpoint.export_adapter: a full fine-tune has no adapter; set export_merged=true to export")
-    if cfg.data.eval_files and changed(cfg.data, DataConfig(), "eval_fraction"):
-        log.warning("data.eval_fraction has no effect: data.eval_files is the held-out set")
+    if cfg.data.eval_datasets and changed(cfg.data, DataConfig(), "eval_fraction"):
+        log.warning("data.eval_fraction has no effect: data.eval_datasets are the held-out set")
 
 
 def training_fingerprint(cfg: RunConfig) -> dict[str, Any]:
@@ -122,7 +114,7 @@ def training_fingerprint(cfg: RunConfig) -> dict[str, Any]:
     ranks and sharding, checkpoint cadence), which by design do not change the result.
     """
     d = asdict(cfg)
-    drop = {"data": ("eval_batch_size", "max_eval_sequences"), "train": ("eval_every", "log_every", "threads", "device")}
+    drop = {"data": ("eval_batch_size", "max_eval_sequences", "cache_dir"), "train": ("eval_every", "log_every", "threads", "device")}
     for section, keys in drop.items():
         for key in keys:
             d[section].pop(key)
@@ -219,16 +211,15 @@ def _train(
     student_dir, teacher_dir = resolve_dir(cfg.model), resolve_dir(cfg.teacher)
     tokenizer = load_tokenizer(student_dir)
     d = cfg.data
-    corpus = load_corpus(d.train_files, d.eval_files, d.eval_fraction, d.split_seed)
-    train_seqs = tokenize_to_sequences(tokenizer, corpus.train, d.seq_len)
-    eval_seqs = tokenize_to_sequences(tokenizer, corpus.eval, d.seq_len)
-    if d.max_eval_sequences:
-        eval_seqs = eval_seqs[: d.max_eval_sequences]
-    if len(train_seqs) == 0 or len(eval_seqs) == 0:
-        split = "training" if len(train_seqs) == 0 else "eval"
-        raise ConfigError(
-            f"data: the {split} split has fewer than data.seq_len={d.seq_len} tokens; add text or lower data.seq_len"
-        )
+    data = load_data(d, tokenizer, student_dir, cfg.loss.ignore_index)
+    train_rows, eval_rows = data.train, data.eval.head(d.max_eval_sequences)
+    sampler = StepSampler(len(train_rows), d.batch_size, cfg.train.seed)
+    data_stats = {"cache_dir": str(data.cache_dir), "cache_reused": data.reused, **data.stats}
+    if d.sequences == "pad":  # how much of each padded micro-batch is padding, over the steps this run takes
+        steps = [sampler.rank_micro_batches(k, 0, 1, d.micro_batch_size) for k in range(min(cfg.train.max_steps, 200))]
+        data_stats["train"]["padding_fraction"] = train_rows.padding_fraction([i for s in steps for i in s])
+        log.info("data train: micro-batches padded to their longest row are %.1f%% padding",
+                 100 * data_stats["train"]["padding_fraction"])
     timings["data_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -245,8 +236,7 @@ def _train(
         weight_decay=o.weight_decay,
     )
     scheduler = schedule.build(optimizer, o, cfg.train.max_steps)
-    sampler = StepSampler(len(train_seqs), d.batch_size, cfg.train.seed)
-    eval_batches = eval_batches_of_rank(eval_seqs, d.eval_batch_size, dist, device, cfg.loss.ignore_index)
+    eval_batches = eval_batches_of_rank(eval_rows, d.eval_batch_size, dist, device)
     evaluate_now = lambda: evaluate(
         student, teacher, eval_batches, ignore_index=cfg.loss.ignore_index, dist=dist, num_chunks=cfg.loss.num_chunks,
         fused=cfg.loss.impl == "fused",
@@ -269,7 +259,7 @@ def _train(
     if start_step == 0:
         metrics.log("eval", 0, asdict(eval_before))
     if record is not None:
-        record.update(timings=timings, resumed_from=str(resume_from) if resume_from else None, start_step=start_step,
+        record.update(timings=timings, data=data_stats, resumed_from=str(resume_from) if resume_from else None, start_step=start_step,
                       wandb=wandb_info)
 
     status, step = "completed", start_step
@@ -278,15 +268,13 @@ def _train(
     bar = tqdm(
         total=cfg.train.max_steps, initial=start_step, desc="kd", disable=not (cfg.logger.progress_bar and dist.is_main)
     )
-    tokens_per_step_local = d.batch_size // dist.world_size * d.seq_len
     profiler = step_profiler(cfg.profiler, out, device, dist.rank)
     with profiler:
         while step < cfg.train.max_steps:
             t_step = time.perf_counter()
-            micro = [
-                _as_batches(train_seqs[idx], device)
-                for idx in sampler.rank_micro_batches(step, dist.rank, dist.world_size, d.micro_batch_size)
-            ]
+            shares = sampler.rank_micro_batches(step, dist.rank, dist.world_size, d.micro_batch_size)
+            micro = [train_rows.batch(idx).to(device) for idx in shares]
+            local_tokens = sum(int(train_rows.tokens[idx].sum()) for idx in shares)  # non-padding inputs
             stats = train_step(
                 student, teacher, micro, optimizer, scheduler,
                 loss_cfg=cfg.loss, max_grad_norm=o.max_grad_norm, dist=dist,
@@ -298,10 +286,11 @@ def _train(
             bar.set_postfix(loss=f"{stats.loss:.4f}", ce=f"{stats.ce:.4f}", kd=f"{stats.kd:.4f}")
             if step % cfg.train.log_every == 0:
                 peaks = dist.gather_floats(peak_memory_mb(device))
+                tokens = dist.gather_floats(float(local_tokens))
                 metrics.log("train", step, {
                     **asdict(stats),
-                    "tokens_per_s": tokens_per_step_local * dist.world_size / elapsed,
-                    "tokens_per_s_per_rank": tokens_per_step_local / elapsed,
+                    "tokens_per_s": sum(tokens) / elapsed,
+                    "tokens_per_s_per_rank": tokens[dist.rank] / elapsed,
                     "step_s": elapsed,
                     "peak_mem_mb": max(peaks),
                     "peak_mem_mb_per_rank": peaks,

@@ -8,12 +8,10 @@ import torch
 from torch import nn
 
 from kdsweep.config.schema import LossConfig
+from kdsweep.data.batch import Batch
 from kdsweep.distributed import DistEnv
 from kdsweep.losses import LossSums, align_vocab, cross_entropy_sum, forward_kl_sum, kd_loss_sums, split_chunks
 from kdsweep.train.fused import final_hidden, fused_loss_sums, frozen_projection
-
-Batch = tuple[torch.Tensor, torch.Tensor]
-"""(input_ids ``[B, T]``, labels ``[B, T]``): labels already shifted, ``ignore_index`` where a token does not count."""
 
 
 @dataclass(frozen=True)
@@ -30,8 +28,8 @@ class StepStats:
     lr: float
 
 
-def micro_batch_backward(student: nn.Module, teacher: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
-                         loss_cfg: LossConfig, scale: torch.Tensor) -> LossSums:
+def micro_batch_backward(student: nn.Module, teacher: nn.Module, batch: Batch, loss_cfg: LossConfig,
+                         scale: torch.Tensor) -> LossSums:
     """Forward and backward of one micro-batch's loss (its sums times ``scale``); returns the sums, detached.
 
     ``loss.impl`` says how: from full logits (dense, chunked), or from the final hidden states through the output
@@ -40,30 +38,30 @@ def micro_batch_backward(student: nn.Module, teacher: nn.Module, input_ids: torc
           "ignore_index": loss_cfg.ignore_index}
     if loss_cfg.impl == "fused":
         with torch.no_grad():
-            teacher_hidden = final_hidden(teacher, input_ids)
+            teacher_hidden = final_hidden(teacher, batch.inputs())
         with frozen_projection(teacher) as teacher_head:
-            sums, mixed = fused_loss_sums(student, input_ids, teacher_hidden, teacher_head, labels,
+            sums, mixed = fused_loss_sums(student, batch.inputs(), teacher_hidden, teacher_head, batch.labels,
                                           kd_ratio=loss_cfg.kd_ratio, num_chunks=loss_cfg.chunks, **kw)
             (mixed * scale).backward()
     else:
         with torch.no_grad():
-            teacher_logits = teacher(input_ids=input_ids).logits
-        sums = kd_loss_sums(student(input_ids=input_ids).logits, teacher_logits, labels, num_chunks=loss_cfg.chunks, **kw)
+            teacher_logits = teacher(**batch.inputs()).logits
+        sums = kd_loss_sums(student(**batch.inputs()).logits, teacher_logits, batch.labels, num_chunks=loss_cfg.chunks,
+                            **kw)
         (sums.total(loss_cfg.kd_ratio) * scale).backward()
     return LossSums(*(t.detach() for t in sums))
 
 
-def _eval_chunks(student: nn.Module, teacher: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
-                 num_chunks: int, fused: bool):
+def _eval_chunks(student: nn.Module, teacher: nn.Module, batch: Batch, num_chunks: int, fused: bool):
     """(student logits, teacher logits, labels) of each token chunk, vocabularies aligned; with ``fused`` each
     chunk is projected from the final hidden states on its own, so no B×T×V tensor exists."""
-    y = labels.reshape(-1)
+    y = batch.labels.reshape(-1)
     if not fused:
-        s_logits, t_logits = align_vocab(student(input_ids=input_ids).logits, teacher(input_ids=input_ids).logits)
+        s_logits, t_logits = align_vocab(student(**batch.inputs()).logits, teacher(**batch.inputs()).logits)
         v = s_logits.shape[-1]
         yield from split_chunks(num_chunks, s_logits.reshape(-1, v), t_logits.reshape(-1, v), y)
         return
-    h_s, h_t = final_hidden(student, input_ids), final_hidden(teacher, input_ids)
+    h_s, h_t = final_hidden(student, batch.inputs()), final_hidden(teacher, batch.inputs())
     with frozen_projection(student) as head_s, frozen_projection(teacher) as head_t:  # both frozen here
         for hs_c, ht_c, y_c in split_chunks(num_chunks, h_s.reshape(-1, h_s.shape[-1]), h_t.reshape(-1, h_t.shape[-1]), y):
             yield (*align_vocab(head_s(hs_c), head_t(ht_c)), y_c)
@@ -88,12 +86,12 @@ def train_step(
     ``world_size`` factor turns that average back into the sum the normalisation assumes.
     """
     ignore = loss_cfg.ignore_index
-    local_tokens = sum((labels != ignore).sum() for _, labels in micro_batches)
+    local_tokens = sum((b.labels != ignore).sum() for b in micro_batches)
     global_tokens = dist.all_reduce_sum(torch.as_tensor(local_tokens, dtype=torch.float32).clone())
     scale = dist.world_size / global_tokens.clamp_min(1.0)
     totals = torch.zeros(3, dtype=torch.float32, device=global_tokens.device)  # Σce, Σkd, Σkl
-    for input_ids, labels in micro_batches:
-        sums = micro_batch_backward(student, teacher, input_ids, labels, loss_cfg, scale)
+    for batch in micro_batches:
+        sums = micro_batch_backward(student, teacher, batch, loss_cfg, scale)
         totals += torch.stack([sums.ce, sums.kd, sums.kl])
     params = [p for p in student.parameters() if p.requires_grad]
     # max_norm=inf measures the norm without clipping.
@@ -137,10 +135,10 @@ def evaluate(
     """
     student.eval()
     sums = None  # Σ student ce, Σ kl, Σ teacher ce, tokens
-    for input_ids, labels in batches:
+    for batch in batches:
         if sums is None:
-            sums = torch.zeros(4, dtype=torch.float64, device=labels.device)
-        for s_c, t_c, y_c in _eval_chunks(student, teacher, input_ids, labels, num_chunks, fused):
+            sums = torch.zeros(4, dtype=torch.float64, device=batch.labels.device)
+        for s_c, t_c, y_c in _eval_chunks(student, teacher, batch, num_chunks, fused):
             sums += torch.stack([
                 cross_entropy_sum(s_c, y_c, ignore_index),
                 forward_kl_sum(s_c, t_c, y_c, temperature=1.0, ignore_index=ignore_index),

@@ -13,7 +13,9 @@ GROUPS = sorted(p.name for p in Path(conf_dir()).iterdir() if p.is_dir() and p.n
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((Path(conf_dir()) / g).glob("*.yaml"))]
 EXPERIMENTS = sorted(p.stem for p in (Path(conf_dir()) / "experiment").glob("*.yaml"))
 # Options that need a value only the user can give.
-REQUIRED = {("data", "text_files"): ["data.train_files=[/data/train.jsonl]"]}
+ONE = ["data.datasets.0.path=/data/train.jsonl"]
+REQUIRED = {("data", "text"): ONE, ("data", "instruction"): ONE, ("data", "chat"): ONE,
+            ("data", "mixture"): [*ONE, "data.datasets.1.path=/data/chats.parquet"]}
 
 
 def convert(overrides):
@@ -37,7 +39,7 @@ def test_option_composes_and_converts(group, option):
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_experiment_composes_and_converts(experiment):
-    cfg = convert([f"+experiment={experiment}", "data.train_files=[/data/train.jsonl]"])
+    cfg = convert([f"+experiment={experiment}", *ONE])
     assert cfg.model.path and cfg.teacher.path and cfg.train.dtype == "bf16"
 
 
@@ -48,13 +50,21 @@ def test_sweep_knobs_reach_their_sections():
     assert default.model.zoo == "tiny-student" and default.teacher.zoo == "tiny-teacher" and default.model.lora_rank > 0
 
 
-def test_text_files_without_files_is_refused_by_the_app_resolver():
+@pytest.mark.parametrize("option", ["text", "instruction", "chat", "mixture"])
+def test_a_data_preset_without_its_path_is_refused_by_the_app_resolver(option):
     from kdsweep.app import resolve
 
     with initialize_config_dir(config_dir=conf_dir(), version_base=None):
-        cfg = compose(config_name="config", overrides=["data=text_files"])
-    with pytest.raises(ConfigError, match=r"data.train_files is required"):
+        cfg = compose(config_name="config", overrides=[f"data={option}"])
+    with pytest.raises(ConfigError, match=r"data.datasets\[0\].path is required but not set; pass data.datasets.0.path=<value>"):
         resolve(cfg)
+
+
+def test_a_list_of_sources_from_the_command_line():
+    cfg = convert(["data=mixture", "data.datasets=[{path:/a.jsonl,format:instruction,weight:3},{path:/b,format:chat}]"])
+    a, b = cfg.data.datasets
+    assert (a.path, a.format, a.weight, b.path, b.format, b.weight) == ("/a.jsonl", "instruction", 3.0, "/b", "chat", 1.0)
+    assert cfg.data.mix == "weighted" and cfg.data.sequences == "pack"
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,13 @@ from helpers import save_hf_model, word_tokenizer
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("bad")
     (root / "empty.txt").write_text("\n\n")
-    (root / "no_text.jsonl").write_text('{"content": "x"}\n')
+    (root / "empty.jsonl").write_text("")
+    (root / "no_text.jsonl").write_text('{"content": "x"}\n' * 3)
+    (root / "no_output.jsonl").write_text('{"instruction": "say hi", "input": "", "response": "hi"}\n' * 3)
+    (root / "chat.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n' * 3)
+    (root / "chat_no_messages.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"text": "x"}\n')
+    (root / "table.xlsx").write_text("x")
+    (root / "chat.jinja").write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
     (root / "not_a_model").mkdir()
     (root / "not_a_model" / "weights.bin").write_text("x")
     save_hf_model(root / "student_a", word_tokenizer())
@@ -26,15 +32,32 @@ CASES = {
     "missing_path": (["model.path=/does/not/exist"], "model.path=/does/not/exist does not exist"),
     "not_hf_dir": (["model.path={root}/not_a_model"], "not a Hugging Face model directory"),
     "tokenizers": (["model.path={root}/student_a", "teacher.path={root}/teacher_b", "data.seq_len=16"], "different tokenizers"),
-    "empty_data": (["data.train_files=[{root}/empty.txt]"], "data.train_files: {root}/empty.txt is empty"),
-    "bad_jsonl": (["data.train_files=[{root}/no_text.jsonl]"], "'text' field"),
+    "empty_data": (["data=text", "data.datasets.0.path={root}/empty.txt"], "data.datasets[0].path: {root}/empty.txt is empty"),
+    "empty_jsonl": (["data=instruction", "data.datasets.0.path={root}/empty.jsonl"], "{root}/empty.jsonl is empty"),
+    "missing_text_column": (["data=text", "data.datasets.0.path={root}/no_text.jsonl"], "no column 'text' (columns: content)"),
+    "missing_column": (["data=instruction", "data.datasets.0.path={root}/no_output.jsonl"],
+                       "no_output.jsonl row 1: no column 'output' (columns: instruction, input, response)"),
+    "unknown_format": (["data=text", "data.datasets.0.path={root}/no_text.jsonl", "data.datasets.0.format=markdown"],
+                       "data.datasets[0].format=markdown is an unknown data format; use one of text, instruction, chat"),
+    "unknown_file_kind": (["data=text", "data.datasets.0.path={root}/table.xlsx"], "has unknown kind '.xlsx'"),
+    "missing_file": (["data=text", "data.datasets.0.path={root}/nope.jsonl"], "data.datasets[0].path: {root}/nope.jsonl does not exist"),
+    "chat_without_messages": (["data=chat", "data.datasets.0.path={root}/chat_no_messages.jsonl", "data.chat_template={root}/chat.jinja"],
+                              "chat_no_messages.jsonl row 2: a chat row needs a non-empty list of messages"),
+    "no_chat_template": (["data=chat", "data.datasets.0.path={root}/chat.jsonl"],
+                         "data.datasets[0].format=chat needs a chat template and the tokenizer of the embedded tiny-student has none"),
+    "weights_not_positive": (["data=mixture", "data.datasets.0.path={root}/no_output.jsonl", "data.datasets.1.path={root}/chat.jsonl",
+                              "data.datasets.0.weight=0", "data.datasets.1.weight=0"], "data.datasets weights sum to 0"),
+    "negative_weight": (["data=mixture", "data.datasets.0.path={root}/no_output.jsonl", "data.datasets.1.path={root}/chat.jsonl",
+                         "data.datasets.1.weight=-1"], "data.datasets[1].weight=-1.0 must be a finite number >= 0"),
+    "stream_needs_text": (["data=instruction", "data.datasets.0.path={root}/no_output.jsonl", "data.sequences=stream"],
+                          "data.sequences=stream joins plain text, but data.datasets[0] has format instruction"),
     "no_eval_split": (["data.eval_fraction=0"], "no eval split"),
     "seq_len": (["data.seq_len=4096"], "data.seq_len=4096 is beyond"),
     "unknown_key": (["foo=1"], "unknown config key 'foo'"),
     "unknown_nested_key": (["train.foo=1"], "unknown config key 'train.foo'"),
     "unknown_added_key": (["+train.foo=1"], "unknown config key 'train.foo'"),
     "fp16": (["train.dtype=fp16"], "train.dtype"),
-    "required_files": (["data=text_files"], "data.train_files is required"),
+    "required_files": (["data=instruction"], "data.datasets[0].path is required but not set; pass data.datasets.0.path=<value>"),
     "knob_conflict": (["loss.kd_ratio=0.9"], "loss.kd_ratio=0.9 disagrees with the sweep knob kd_ratio=0.5"),
 }
 
@@ -43,6 +66,8 @@ CASES = {
 def test_one_clear_line_and_nothing_written(case, dirs, tmp_path):
     args, expected = CASES[case]
     run_dir = tmp_path / "run"
+    if any(a.startswith("data=") for a in args):
+        args = [*args, "data.seq_len=128"]  # the data presets' lengths are for real models, beyond the tiny ones
     proc = kdsweep(*[a.format(root=dirs) for a in args], f"hydra.run.dir={run_dir}", cwd=tmp_path, check=False)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stderr

@@ -18,7 +18,7 @@ def imported_after(statement: str) -> set[str]:
     [
         ("kdsweep.config", {"torch", "hydra", "omegaconf"}),
         ("kdsweep.models.check", {"torch", "hydra", "omegaconf"}),
-        ("kdsweep.data.check", {"torch", "hydra", "omegaconf"}),
+        ("kdsweep.data.check", {"torch", "hydra", "omegaconf", "datasets", "pyarrow"}),
         ("kdsweep.app", {"torch", "transformers", "peft"}),
         ("kdsweep.train", {"hydra", "omegaconf", "submitit", "optuna"}),
         ("kdsweep.distributed.launch", {"hydra", "omegaconf", "submitit", "optuna"}),

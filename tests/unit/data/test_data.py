@@ -3,17 +3,18 @@ import json
 import torch
 
 from kdsweep.data.sampling import StepSampler
-from kdsweep.data.text import EMBEDDED_CORPUS, load_corpus, read_documents, split_documents, tokenize_to_sequences
+from kdsweep.data.mixing import hold_out
+from kdsweep.data.text import EMBEDDED_CORPUS, load_corpus, read_documents, tokenize_to_sequences
 from helpers import word_tokenizer
 
 
 def test_split_is_seeded_disjoint_and_complete():
-    docs = [f"doc {i}" for i in range(40)]
-    a = split_documents(docs, 0.1, seed=7)
-    assert a == split_documents(docs, 0.1, seed=7)
-    assert a != split_documents(docs, 0.1, seed=8)
+    a = hold_out(40, 0.1, seed=7)
+    assert a == hold_out(40, 0.1, seed=7)
+    assert a != hold_out(40, 0.1, seed=8)
     train, held = a
-    assert len(held) == 4 and not set(train) & set(held) and sorted(train + held) == sorted(docs)
+    assert len(held) == 4 and not set(train) & set(held) and sorted(train + held) == list(range(40))
+    assert len(hold_out(3, 0.01, seed=0)[1]) == 1  # at least one row is held out
 
 
 def test_embedded_corpus_is_real_text_with_a_held_out_split():

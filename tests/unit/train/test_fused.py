@@ -44,11 +44,11 @@ def test_fused_equals_dense_in_value_and_gradients(lora, length, chunks, tol, di
 
     with torch.no_grad():
         t_logits = teacher(input_ids=ids).logits
-        t_hidden = final_hidden(teacher, ids)
+        t_hidden = final_hidden(teacher, {"input_ids": ids})
     dense = kd_loss_sums(dense_model(input_ids=ids).logits, t_logits, labels, num_chunks=1, **kw)
     (dense.total(0.3) * 0.7).backward()
     with frozen_projection(teacher) as teacher_head:
-        fused, mixed = fused_loss_sums(fused_model, ids, t_hidden, teacher_head, labels, kd_ratio=0.3,
+        fused, mixed = fused_loss_sums(fused_model, {"input_ids": ids}, t_hidden, teacher_head, labels, kd_ratio=0.3,
                                        num_chunks=chunks, **kw)
         assert mixed.item() == pytest.approx(fused.total(0.3).item(), rel=1e-6)
         (mixed * 0.7).backward()  # backward scales the stored gradient by what flows in
@@ -67,7 +67,7 @@ def test_hidden_states_project_to_the_models_logits():
     model = tiny_llama(vocab=96, hidden=32, seed=4)
     ids = torch.randint(0, 96, (2, 7))
     with torch.no_grad(), frozen_projection(model) as head:
-        assert torch.allclose(head(final_hidden(model, ids)), model(input_ids=ids).logits, atol=1e-6)
+        assert torch.allclose(head(final_hidden(model, {"input_ids": ids})), model(input_ids=ids).logits, atol=1e-6)
     assert model(input_ids=ids).logits.shape == (2, 7, 96)  # the output layer's own forward is back
 
 

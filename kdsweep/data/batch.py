@@ -1,0 +1,32 @@
+"""The micro-batch every model forward of a KD job takes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One micro-batch. ``labels`` are already shifted (``labels[t]`` is the target of ``input_ids[t]``) and
+    ``ignore_index`` where a token does not count."""
+
+    input_ids: torch.Tensor
+    """``[B, T]``"""
+    labels: torch.Tensor
+    """``[B, T]``"""
+    position_ids: torch.Tensor | None = None
+    """``[B, T]`` packed rows: positions restart at 0 with every document, and with ``attention_mask=None``
+    transformers builds a block-diagonal causal mask from them (no attention across documents)."""
+    attention_mask: torch.Tensor | None = None
+    """``[B, T]`` padded rows: 1 on tokens, 0 on padding."""
+
+    def inputs(self) -> dict[str, torch.Tensor]:
+        """Keyword arguments of the models' forward."""
+        extra = {"position_ids": self.position_ids, "attention_mask": self.attention_mask}
+        return {"input_ids": self.input_ids, **{k: v for k, v in extra.items() if v is not None}}
+
+    def to(self, device: torch.device) -> "Batch":
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)
+        return Batch(move(self.input_ids), move(self.labels), move(self.position_ids), move(self.attention_mask))

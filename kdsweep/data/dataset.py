@@ -1,0 +1,180 @@
+"""The data of a run: sources → held-out split → samples → mix → rows, tokenized once and cached on disk.
+
+1. **Read** every source (:mod:`kdsweep.data.sources`); no ``data.datasets`` means the embedded corpus.
+2. **Hold out**: the ``data.eval_datasets``, or a seeded ``eval_fraction`` of each training source's rows.
+3. **Render** each row into a sample, prompts masked (:mod:`kdsweep.data.formats`).
+4. **Mix** the training samples: all of them in source order (``concat``), or ``weighted`` by the sources'
+   weights (:mod:`kdsweep.data.mixing`).
+5. **Rows** of ``seq_len`` tokens: ``stream``, ``pack`` or ``pad`` (:mod:`kdsweep.data.packing`).
+
+Nothing here depends on the rank or the world size. The result is cached in ``<cache>/<key>/`` where the key
+hashes everything that determines it: the sources' content, the tokenizer's files, the chat template and every
+data setting that shapes the rows (not the batch sizes). The first job to need it builds it under a lock (see
+:mod:`kdsweep.data.cache`); every later trial and every rank memory-maps the same files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kdsweep.config.schema import ConfigError, DataConfig, DatasetConfig
+from kdsweep.data.cache import built_once, kdsweep_cache
+from kdsweep.data.formats import FormatSpec, Sample, chat_template, render
+from kdsweep.data.mixing import hold_out, weighted_mix
+from kdsweep.data.packing import apply_length_policy, pack, windows
+from kdsweep.data.rows import Rows
+from kdsweep.data.sources import content_hash, eval_sources, read_rows, train_sources
+
+log = logging.getLogger(__name__)
+
+DATA_VERSION = 1
+"""Bump when the rows built from the same inputs change, so old caches are not reused."""
+TOKENIZER_FILES = ("tokenizer", "special_tokens", "added_tokens", "chat_template", "vocab", "merges", "spiece")
+"""Prefixes of the files in a model directory that define its tokenizer."""
+# Settings that batch the rows but do not shape them: left out of the cache key.
+BATCHING = ("batch_size", "micro_batch_size", "eval_batch_size", "max_eval_sequences", "cache_dir")
+
+
+def cache_key(cfg: DataConfig, tokenizer_dir: Path, ignore_index: int, memo_dir: Path) -> str:
+    """Hash of everything that determines the rows (see the module docstring)."""
+    settings = {k: v for k, v in asdict(cfg).items() if k not in BATCHING}
+    for section in ("datasets", "eval_datasets"):  # a source counts by its content, wherever it lies
+        settings[section] = [{**ds, "path": None} for ds in settings[section]]
+    files = [content_hash(ds.path, memo_dir) for _, ds in train_sources(cfg) + eval_sources(cfg)]
+    tok = hashlib.sha256()
+    for f in sorted(tokenizer_dir.iterdir()):
+        if f.is_file() and f.name.startswith(TOKENIZER_FILES):
+            tok.update(f.name.encode() + b"\0" + f.read_bytes())
+    parts = [DATA_VERSION, settings, files, tok.hexdigest(), chat_template(cfg.chat_template), ignore_index]
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
+
+
+@dataclass(frozen=True)
+class RunData:
+    train: Rows
+    eval: Rows
+    stats: dict[str, Any]
+    """Per split: samples, rows, tokens, targets, truncated, dropped, padding_fraction; per source: rows read,
+    held out, samples in the mix."""
+    cache_dir: Path
+    reused: bool
+    """True when the cache already held these rows (nothing was tokenized)."""
+    seconds: float
+
+
+def load_data(cfg: DataConfig, tokenizer: Any, tokenizer_dir: Path, ignore_index: int = -100) -> RunData:
+    """The run's rows, from the cache or built into it (safe when many jobs ask at once)."""
+    t0 = time.perf_counter()
+    root = Path(cfg.cache_dir) if cfg.cache_dir else kdsweep_cache() / "data"
+    key = cache_key(cfg, tokenizer_dir, ignore_index, root / "hashes")
+    with built_once(root, key) as (final, tmp):
+        if tmp is not None:
+            train, held, stats = build(cfg, tokenizer, ignore_index)
+            train.save(tmp / "train.pt")
+            held.save(tmp / "eval.pt")
+            (tmp / "stats.json").write_text(json.dumps(stats, indent=1))
+    data = RunData(Rows.load(final / "train.pt"), Rows.load(final / "eval.pt"),
+                   json.loads((final / "stats.json").read_text()), final, reused=tmp is None,
+                   seconds=time.perf_counter() - t0)
+    if data.reused:
+        log.info("data: reused the tokenization cache %s (nothing tokenized; loaded in %.3f s)", final, data.seconds)
+    else:
+        log.info("data: tokenized and cached in %s in %.2f s", final, data.seconds)
+    for split in ("train", "eval"):
+        log.info("data %s: %s", split, describe(data.stats[split], cfg))
+    return data
+
+
+def describe(s: dict[str, Any], cfg: DataConfig) -> str:
+    """One line of a split's counts."""
+    shares = ", ".join(f"{Path(src['path']).name} {src['share']:.1%}" for src in s["sources"])
+    padding = "" if s["padding_fraction"] is None else f", padding {s['padding_fraction']:.1%}"
+    return (f"{s['samples']} samples ({shares}) -> {s['rows']} rows ({cfg.sequences}, seq_len {cfg.seq_len}): "
+            f"{s['tokens']} tokens, {s['targets']} targets, {s['truncated']} truncated, {s['dropped']} dropped"
+            f"{padding}")
+
+
+def build(cfg: DataConfig, tokenizer: Any, ignore_index: int) -> tuple[Rows, Rows, dict[str, Any]]:
+    """Train rows, eval rows and their stats (no cache)."""
+    template = chat_template(cfg.chat_template)
+
+    def samples_of(key: str, ds: DatasetConfig, rows: list[dict[str, Any]], picks: list[int]) -> list[Sample]:
+        spec = FormatSpec(kind=ds.format, text_column=ds.text_column, instruction_column=ds.instruction_column,
+                          input_column=ds.input_column, output_column=ds.output_column,
+                          messages_column=ds.messages_column, chat_template=template,
+                          train_on_prompt=cfg.train_on_prompt, add_bos=cfg.add_bos, ignore_index=ignore_index)
+        return [render(rows[i], spec, tokenizer, where=f"{key}: {ds.path} row {i + 1}") for i in picks]
+
+    train_parts, eval_parts = [], []
+    train_info, eval_info = [], []
+    for key, ds in train_sources(cfg):
+        rows = read_rows(ds.path, split=ds.split, key=f"{key}.path")
+        kept, held = (list(range(len(rows))), []) if cfg.eval_datasets else \
+            hold_out(len(rows), cfg.eval_fraction, cfg.split_seed)
+        if not kept:
+            raise ConfigError(f"{key}.path: {ds.path} holds {len(rows)} row(s), too few to hold out "
+                              f"data.eval_fraction={cfg.eval_fraction}; add rows or set data.eval_datasets")
+        train_parts.append(samples_of(key, ds, rows, kept))
+        train_info.append({"key": key, "path": ds.path, "format": ds.format, "rows_read": len(rows),
+                           "held_out": len(held), "weight": ds.weight})
+        if held:
+            eval_parts.append(samples_of(key, ds, rows, held))
+            eval_info.append({"key": key, "path": ds.path, "format": ds.format, "rows_read": len(held)})
+    for key, ds in eval_sources(cfg):
+        rows = read_rows(ds.path, split=ds.split, key=f"{key}.path")
+        eval_parts.append(samples_of(key, ds, rows, list(range(len(rows)))))
+        eval_info.append({"key": key, "path": ds.path, "format": ds.format, "rows_read": len(rows)})
+
+    if cfg.mix == "weighted":
+        sizes = [len(p) for p in train_parts]
+        picks = weighted_mix(sizes, [ds.weight for _, ds in train_sources(cfg)], cfg.mix_samples or sum(sizes),
+                             cfg.split_seed)
+        train_samples = [train_parts[s][i] for s, i in picks]
+        drawn = [sum(s == k for s, _ in picks) for k in range(len(sizes))]
+    else:
+        train_samples = [s for part in train_parts for s in part]
+        drawn = [len(p) for p in train_parts]
+    for info, n in zip(train_info, drawn):
+        info.update(samples=n, share=n / max(1, len(train_samples)))
+    eval_samples = [s for part in eval_parts for s in part]
+    for info, part in zip(eval_info, eval_parts):
+        info.update(samples=len(part), share=len(part) / max(1, len(eval_samples)))
+
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    train, train_stats = make_rows(train_samples, cfg, pad_id, ignore_index)
+    held, eval_stats = make_rows(eval_samples, cfg, pad_id, ignore_index)
+    for split, rows in (("training", train), ("eval", held)):
+        if len(rows) == 0:
+            raise ConfigError(f"data: the {split} split makes no rows of data.seq_len={cfg.seq_len} tokens; add data, "
+                              "lower data.seq_len or use data.truncation=truncate")
+    return train, held, {"train": {**train_stats, "sources": train_info}, "eval": {**eval_stats, "sources": eval_info}}
+
+
+def make_rows(samples: list[Sample], cfg: DataConfig, pad_id: int, ignore_index: int) -> tuple[Rows, dict[str, Any]]:
+    """Rows of ``samples`` as ``cfg.sequences`` says, and their counts."""
+    make = lambda *a, **kw: Rows.from_rows(*a, **kw, pad_id=pad_id, ignore_index=ignore_index)
+    if cfg.sequences == "stream":
+        stream = [t for s in samples if len(s) for t in (*s.input_ids, s.labels[-1])]
+        w = windows(stream, cfg.seq_len)
+        rows = make(w[:, :-1], w[:, 1:], None, [cfg.seq_len] * len(w))
+        return rows, {"samples": len(samples), "rows": len(w), "tokens": len(stream),
+                      "targets": int((w[:, 1:] != ignore_index).sum()), "truncated": 0, "dropped": 0,
+                      "padding_fraction": 0.0}
+    if cfg.sequences == "pack":
+        p = pack(samples, cfg.seq_len, pad_id=pad_id, policy=cfg.truncation, strategy=cfg.pack_strategy,
+                 ignore_index=ignore_index)
+        rows = make(p.input_ids, p.labels, p.position_ids, p.used)
+        st = p.stats
+        return rows, {"samples": st.samples, "rows": st.sequences, "tokens": st.tokens, "targets": st.targets,
+                      "truncated": st.truncated, "dropped": st.dropped, "padding_fraction": st.padding_fraction}
+    kept, c = apply_length_policy(samples, cfg.seq_len, cfg.truncation, ignore_index)
+    rows = make([s.input_ids for s in kept], [s.labels for s in kept], None, [len(s) for s in kept])
+    # padding depends on how rows meet in micro-batches: the training loop measures it
+    return rows, {"samples": c.samples, "rows": len(kept), "tokens": c.tokens, "targets": c.targets,
+                  "truncated": c.truncated, "dropped": c.dropped, "padding_fraction": None}

@@ -1,0 +1,76 @@
+"""Jobs on users' data: a packed weighted mix of instruction and chat data trains the same on 1 and 2 ranks,
+its counts are logged and recorded, and the trials of a sweep share one tokenization cache."""
+
+import json
+import random
+import re
+
+import pytest
+
+from conftest import QUIET, kdsweep, read_run
+from test_multirank import assert_same_run
+from test_sweep import search
+
+pytestmark = pytest.mark.slow
+
+TEMPLATE = "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }}\n{% endfor %}" \
+           "{% if add_generation_prompt %}<assistant> {% endif %}"
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory, zoo_dirs):
+    """Alpaca-style JSONL and chat Parquet made of the embedded corpus' words, lengths skewed."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from kdsweep.data.text import EMBEDDED_CORPUS
+
+    words = EMBEDDED_CORPUS.read_text().split()
+    rng = random.Random(0)
+    text = lambda n: " ".join(words[(k := rng.randrange(len(words) - n)): k + n])
+    root = tmp_path_factory.mktemp("data")
+    rows = [{"instruction": text(8), "input": text(rng.choice([0, 5])), "output": text(int(rng.lognormvariate(3, 0.8)))}
+            for _ in range(200)]
+    (root / "inst.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    chats = [{"messages": [{"role": "user", "content": text(6)}, {"role": "assistant", "content": text(rng.randint(2, 40))}]}
+             for _ in range(80)]
+    pq.write_table(pa.Table.from_pylist(chats), root / "chat.parquet")
+    (root / "chat.jinja").write_text(TEMPLATE)
+    return root
+
+
+def mix_args(data_dir, cache):
+    return ["data=mixture", f"data.datasets.0.path={data_dir / 'inst.jsonl'}",
+            f"data.datasets.1.path={data_dir / 'chat.parquet'}", f"data.chat_template={data_dir / 'chat.jinja'}",
+            "data.seq_len=128", "data.batch_size=8", "data.micro_batch_size=2", "data.eval_batch_size=8",
+            "data.max_eval_sequences=16", f"data.cache_dir={cache}", "train.max_steps=4", "train.eval_every=2",
+            "checkpoint.save_every=0", "checkpoint.export_merged=false", *QUIET]
+
+
+def test_a_packed_weighted_mix_trains_the_same_on_one_and_two_ranks(data_dir, tmp_path):
+    args = mix_args(data_dir, tmp_path / "cache")
+    kdsweep(*args, f"hydra.run.dir={tmp_path / 'one'}", cwd=tmp_path)
+    kdsweep(*args, "dist=fsdp2_local", f"hydra.run.dir={tmp_path / 'two'}", cwd=tmp_path)
+    assert_same_run(tmp_path / "one", tmp_path / "two")
+    one, two = read_run(tmp_path / "one"), read_run(tmp_path / "two")
+    assert one["data"]["cache_reused"] is False and two["data"]["cache_reused"] is True
+    train = one["data"]["train"]
+    assert [s["share"] for s in train["sources"]] == pytest.approx([0.7, 0.3], abs=0.01)
+    assert train["rows"] < train["samples"] and 0 <= train["padding_fraction"] < 0.2
+    log = (tmp_path / "one" / "kdsweep.log").read_text()
+    line = re.search(r"data train: (\d+) samples \(inst.jsonl 70.0%, chat.parquet 30.0%\) -> (\d+) rows \(pack, "
+                     r"seq_len 128\): \d+ tokens, \d+ targets, \d+ truncated, \d+ dropped, padding \d+\.\d%", log)
+    assert line and int(line[1]) == train["samples"] and int(line[2]) == train["rows"]
+
+
+def test_the_second_trial_of_a_sweep_reuses_the_tokenization_cache(data_dir, tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    args = search(tmp_path, "cache", {"n_trials": 2, "max_concurrent": 1, "sampler": "random", "pruner": "none",
+                                      "params": {"kd_ratio": "choice(0.3,0.7)"}})
+    kdsweep(*args, *mix_args(data_dir, tmp_path / "cache"), f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path)
+    logs = [(sweep_dir / str(n) / "kdsweep.log").read_text() for n in (0, 1)]
+    built = re.search(r"data: tokenized and cached in (\S+) in ([\d.]+) s", logs[0])
+    reused = re.search(r"data: reused the tokenization cache (\S+) \(nothing tokenized; loaded in ([\d.]+) s\)", logs[1])
+    assert built and reused and built[1] == reused[1], logs
+    assert "tokenized and cached" not in logs[1]
+    assert [read_run(sweep_dir / str(n))["data"]["cache_reused"] for n in (0, 1)] == [False, True]
