@@ -88,3 +88,20 @@ def test_bad_values_name_the_field(overrides, field):
     with pytest.raises(ConfigError) as e:
         convert(overrides)
     assert field in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("option", sorted(p.stem for p in (Path(conf_dir()) / "data").glob("*.yaml")))
+def test_every_data_field_can_be_set_on_the_command_line(option):
+    """Hydra refuses to override a key a preset lacks (struct mode): every preset holds every DataConfig field,
+    and every source it lists every DatasetConfig field its format reads."""
+    import dataclasses
+
+    from kdsweep.config.schema import DataConfig
+
+    with initialize_config_dir(config_dir=conf_dir(), version_base=None):
+        cfg = compose(config_name="config", overrides=[f"data={option}"])
+    assert [f.name for f in dataclasses.fields(DataConfig) if f.name not in cfg.data] == []
+    columns = {"text": {"text_column"}, "instruction": {"instruction_column", "input_column", "output_column"},
+               "chat": {"messages_column"}}
+    for ds in cfg.data.datasets:
+        assert {"path", "format", "weight", "split"} | columns[ds.format] <= set(ds.keys())
