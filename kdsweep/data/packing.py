@@ -98,7 +98,9 @@ def bins_sequential(lengths: Sequence[int], capacity: int) -> list[list[int]]:
 
 
 def bins_best_fit(lengths: Sequence[int], capacity: int) -> list[list[int]]:
-    """Best-fit decreasing: longest first, each into the open bin with the least room that holds it."""
+    """Best-fit decreasing: longest first, each into the open bin with the least room that holds it. The bins come
+    back in the order of their first sample, so the first rows are not all the longest samples' (a capped eval
+    set, ``data.max_eval_sequences``, takes the first rows)."""
     bins: list[list[int]] = []
     free: list[tuple[int, int]] = []  # (room, bin), sorted
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
@@ -111,7 +113,7 @@ def bins_best_fit(lengths: Sequence[int], capacity: int) -> list[list[int]]:
         bins[b].append(i)
         if room - lengths[i] > 0:
             insort(free, (room - lengths[i], b))
-    return bins
+    return sorted(bins, key=min)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kdsweep.data.cache import built_once, kdsweep_cache
-from kdsweep.data.text import EMBEDDED_CORPUS, load_corpus
+from kdsweep.data.text import EMBEDDED_CORPUS, embedded_corpus
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def _train_tokenizer() -> Any:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(load_corpus((), (), **SPLIT).train, trainer=trainer)
+    tok.train_from_iterator(embedded_corpus(**SPLIT).train, trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS)
 
 
@@ -120,7 +120,7 @@ def _pretrain(name: str, tok_dir: Path, out: Path) -> None:
         **ARCHS[name],
     )
     model = LlamaForCausalLM(config)
-    docs = load_corpus((), (), **SPLIT).train
+    docs = embedded_corpus(**SPLIT).train
     seqs = tokenize_to_sequences(tokenizer, docs[: round(len(docs) * recipe["docs"])], recipe["seq_len"])
     sampler = StepSampler(len(seqs), recipe["batch_size"], recipe["seed"])
     opt = torch.optim.AdamW(model.parameters(), lr=recipe["lr"], weight_decay=0.01)

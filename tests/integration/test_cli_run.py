@@ -48,10 +48,10 @@ def _eval_ce(model, run_dir):
     """Held-out CE of ``model`` on the run's own eval split, computed independently of kdsweep's loop."""
     from transformers import AutoTokenizer
 
-    from kdsweep.data.text import load_corpus, tokenize_to_sequences
+    from kdsweep.data.text import embedded_corpus, tokenize_to_sequences
 
     tok = AutoTokenizer.from_pretrained(run_dir / "final" / "merged")
-    seqs = tokenize_to_sequences(tok, load_corpus((), (), 0.05, 1234).eval, 128)
+    seqs = tokenize_to_sequences(tok, embedded_corpus(0.05, 1234).eval, 128)
     with torch.no_grad():
         logits = model(input_ids=seqs[:, :-1]).logits
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), seqs[:, 1:].reshape(-1)).item(), logits

@@ -1,10 +1,8 @@
-import json
-
 import torch
 
 from kdsweep.data.sampling import StepSampler
 from kdsweep.data.mixing import hold_out
-from kdsweep.data.text import EMBEDDED_CORPUS, load_corpus, read_documents, tokenize_to_sequences
+from kdsweep.data.text import EMBEDDED_CORPUS, embedded_corpus, tokenize_to_sequences
 from helpers import word_tokenizer
 
 
@@ -18,16 +16,9 @@ def test_split_is_seeded_disjoint_and_complete():
 
 
 def test_embedded_corpus_is_real_text_with_a_held_out_split():
-    c = load_corpus((), (), eval_fraction=0.05, split_seed=1234)
-    assert len(c.train) + len(c.eval) == len(read_documents(EMBEDDED_CORPUS)) >= 100
+    c = embedded_corpus(eval_fraction=0.05, split_seed=1234)
+    assert len(c.train) + len(c.eval) == len(EMBEDDED_CORPUS.read_text().splitlines()) >= 100
     assert c.eval and "In the beginning God created the heaven and the earth." in "".join(c.train + c.eval)
-
-
-def test_txt_and_jsonl_sources(tmp_path):
-    (tmp_path / "a.txt").write_text("first doc\n\nsecond doc\n")
-    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "third"}) + "\n" + json.dumps({"text": "fourth"}) + "\n")
-    c = load_corpus([str(tmp_path / "a.txt")], [str(tmp_path / "b.jsonl")], 0.0, 0)
-    assert c.train == ["first doc", "second doc"] and c.eval == ["third", "fourth"]
 
 
 def test_sequences_are_windows_of_the_eos_joined_stream():

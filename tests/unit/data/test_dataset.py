@@ -66,7 +66,7 @@ def data_cfg(tmp_path, **kw):
 
 
 def test_embedded_stream_rows_are_the_windows_of_the_eos_joined_corpus(tmp_path):
-    from kdsweep.data.text import load_corpus, tokenize_to_sequences
+    from kdsweep.data.text import embedded_corpus, tokenize_to_sequences
     from kdsweep.models import zoo
 
     from transformers import AutoTokenizer
@@ -74,7 +74,7 @@ def test_embedded_stream_rows_are_the_windows_of_the_eos_joined_corpus(tmp_path)
     tok_dir = zoo.tokenizer_dir()
     t = AutoTokenizer.from_pretrained(tok_dir)
     data = load_data(data_cfg(tmp_path), t, tok_dir)
-    corpus = load_corpus((), (), 0.05, 1234)
+    corpus = embedded_corpus(0.05, 1234)
     for rows, docs in ((data.train, corpus.train), (data.eval, corpus.eval)):
         w = tokenize_to_sequences(t, docs, 128)
         batch = rows.batch(range(len(rows)))
