@@ -17,7 +17,7 @@ labels ``ignore_index``).
   the detection off and documents attend to each other.
 * pass :func:`block_causal_mask` (a 4D additive mask) as ``attention_mask``; models take a 4D mask as is.
 
-**Padding** (:func:`pad_collate`) right-pads a batch to its longest sample, labels ``ignore_index`` on pads.
+Padded rows (one sample each) are padded when a micro-batch is formed: :meth:`kdsweep.data.rows.Rows.batch`.
 """
 
 from __future__ import annotations
@@ -186,20 +186,3 @@ def block_causal_mask(position_ids: torch.Tensor, dtype: torch.dtype = torch.flo
     causal = torch.ones(t, t, dtype=torch.bool, device=position_ids.device).tril()
     allowed = (doc[:, :, None] == doc[:, None, :]) & causal
     return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
-
-
-def pad_collate(
-    samples: Sequence[Sample], *, pad_id: int, ignore_index: int = -100
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(input_ids, labels, attention_mask), each ``[B, longest]``, right-padded; labels ``ignore_index`` on pads."""
-    if not samples:
-        raise ValueError("pad_collate needs at least one sample")
-    longest = max(len(s) for s in samples)
-    input_ids = torch.full((len(samples), longest), pad_id, dtype=torch.long)
-    labels = torch.full((len(samples), longest), ignore_index, dtype=torch.long)
-    attention_mask = torch.zeros((len(samples), longest), dtype=torch.long)
-    for row, s in enumerate(samples):
-        input_ids[row, : len(s)] = torch.tensor(s.input_ids, dtype=torch.long)
-        labels[row, : len(s)] = torch.tensor(s.labels, dtype=torch.long)
-        attention_mask[row, : len(s)] = 1
-    return input_ids, labels, attention_mask

@@ -8,9 +8,9 @@ from helpers import tiny_llama
 from kdsweep.config.schema import ConfigError
 from kdsweep.data.formats import Sample
 from kdsweep.data.packing import (
-    apply_length_policy, bins_best_fit, bins_sequential, block_causal_mask, document_ids, pack, pad_collate,
+    apply_length_policy, bins_best_fit, bins_sequential, block_causal_mask, document_ids, pack,
 )
-from kdsweep.losses import kd_loss_sums
+from kdsweep.data.rows import Rows
 
 IGNORE, PAD = -100, 0
 
@@ -69,11 +69,24 @@ def test_bad_policies_are_one_line(kwargs, match):
         pack([doc(1, 2)], 4, pad_id=PAD, **kwargs)
 
 
-def test_pad_collate_pads_to_the_longest_with_ignored_labels():
-    ids, labels, mask = pad_collate([doc(1, 2, 3), doc(4, 5, 6, 7, prompt=1)], pad_id=PAD)
-    assert ids.tolist() == [[1, 2, 0], [4, 5, 6]]
-    assert labels.tolist() == [[2, 3, IGNORE], [5, 6, 7]]
-    assert mask.tolist() == [[1, 1, 0], [1, 1, 1]]
+def padded_rows(samples):
+    return Rows.from_rows([s.input_ids for s in samples], [s.labels for s in samples], None,
+                          [len(s) for s in samples], pad_id=PAD, ignore_index=IGNORE)
+
+
+def packed_rows(p):
+    return Rows.from_rows(p.input_ids, p.labels, p.position_ids, p.used, pad_id=PAD, ignore_index=IGNORE)
+
+
+def test_padded_rows_batch_to_the_longest_with_ignored_labels():
+    rows = padded_rows([doc(1, 2, 3), doc(4, 5, 6, 7, prompt=1), doc(8, 9, 10)])
+    b = rows.batch([0, 1])
+    assert b.input_ids.tolist() == [[1, 2, 0], [4, 5, 6]]
+    assert b.labels.tolist() == [[2, 3, IGNORE], [5, 6, 7]]
+    assert b.attention_mask.tolist() == [[1, 1, 0], [1, 1, 1]] and b.position_ids is None
+    same = rows.batch([0, 2])  # equal lengths: nothing to pad, no mask
+    assert same.attention_mask is None and same.input_ids.tolist() == [[1, 2], [8, 9]]
+    assert (rows.batch([1], mask_labels=True).labels == IGNORE).all()
 
 
 def test_block_causal_mask_allows_only_earlier_tokens_of_the_same_document():
@@ -126,23 +139,29 @@ def test_an_all_ones_attention_mask_turns_transformers_packing_detection_off(pac
     assert (leaky[row, a:b] - alone).abs().max() > 1e-3
 
 
-def test_packed_loss_and_gradients_equal_the_padded_ones(packed):
+@pytest.mark.parametrize("impl", ["chunked", "fused"])
+def test_packed_loss_and_gradients_equal_the_padded_ones(packed, impl):
+    """The training step's own micro-batch backward (teacher and student forwards, KD + CE sums) on the packed
+    rows, and on the same samples one per row, padded."""
+    from kdsweep.config.schema import LossConfig
+    from kdsweep.train.step import micro_batch_backward
+
     samples, p = packed
     student, teacher = tiny_llama(seed=0), tiny_llama(seed=1).eval()
+    cfg = LossConfig(kd_ratio=0.5, impl=impl, num_chunks=3)
 
-    def loss_and_grads(input_ids, labels, **kwargs):
+    def loss_and_grads(batch):
         student.zero_grad()
-        with torch.no_grad():
-            t = teacher(input_ids=input_ids, **kwargs).logits
-        sums = kd_loss_sums(student(input_ids=input_ids, **kwargs).logits, t, labels, divergence="forward_kl")
-        loss = sums.total(0.5) / sums.tokens
-        loss.backward()
-        return loss.detach(), sums.tokens, {n: q.grad.clone() for n, q in student.named_parameters()}
+        sums = micro_batch_backward(student, teacher, batch, cfg, torch.tensor(1.0))
+        return sums, {n: q.grad.clone() for n, q in student.named_parameters()}
 
-    packed_loss, packed_tokens, packed_grads = loss_and_grads(p.input_ids, p.labels, position_ids=p.position_ids)
-    ids, labels, mask = pad_collate(samples, pad_id=PAD)
-    padded_loss, padded_tokens, padded_grads = loss_and_grads(ids, labels, attention_mask=mask)
-    assert packed_tokens == padded_tokens == p.stats.targets
-    torch.testing.assert_close(packed_loss, padded_loss, atol=1e-5, rtol=1e-5)
-    for name, g in padded_grads.items():
-        torch.testing.assert_close(packed_grads[name], g, atol=1e-5, rtol=1e-5, msg=name)
+    packed_batch = packed_rows(p).batch(range(p.stats.sequences))
+    padded_batch = padded_rows(samples).batch(range(len(samples)))
+    assert packed_batch.position_ids is not None and packed_batch.attention_mask is None
+    assert padded_batch.attention_mask is not None
+    (pk, pk_grads), (pd, pd_grads) = loss_and_grads(packed_batch), loss_and_grads(padded_batch)
+    assert int(pk.tokens) == int(pd.tokens) == p.stats.targets
+    for a, b in zip(pk, pd):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    for name, g in pd_grads.items():
+        torch.testing.assert_close(pk_grads[name], g, atol=1e-5, rtol=1e-5, msg=name)
