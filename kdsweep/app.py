@@ -147,7 +147,7 @@ def _launch(run_cfg: RunConfig, raw: dict[str, Any], overrides: list[str]) -> di
     from kdsweep.distributed import detect, device_for
     from kdsweep.distributed.launch import check_local_launch, check_master_resolves, spawn
 
-    from kdsweep.train import check_resumable
+    from kdsweep.train import check_resumable, prepare_data
 
     env = detect()
     spawn_local = env.world_size == 1 and run_cfg.dist.nproc_per_node > 1
@@ -158,6 +158,7 @@ def _launch(run_cfg: RunConfig, raw: dict[str, Any], overrides: list[str]) -> di
         check_master_resolves(env.master_addr)
     run_cfg.check_world_size(run_cfg.dist.nproc_per_node if spawn_local else env.world_size)
     if spawn_local:
+        prepare_data(run_cfg)
         return spawn(run_rank, (run_cfg, raw, overrides), run_cfg.dist)
     return run_rank(run_cfg, raw, overrides)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -22,10 +23,11 @@ class Batch:
     attention_mask: torch.Tensor | None = None
     """``[B, T]`` padded rows: 1 on tokens, 0 on padding."""
 
-    def inputs(self) -> dict[str, torch.Tensor]:
-        """Keyword arguments of the models' forward."""
+    def inputs(self) -> dict[str, Any]:
+        """Keyword arguments of the models' forward. ``use_cache=False`` always: with a KV cache transformers does
+        not look for packed documents in the position ids, and they would attend to each other."""
         extra = {"position_ids": self.position_ids, "attention_mask": self.attention_mask}
-        return {"input_ids": self.input_ids, **{k: v for k, v in extra.items() if v is not None}}
+        return {"input_ids": self.input_ids, "use_cache": False, **{k: v for k, v in extra.items() if v is not None}}
 
     def to(self, device: torch.device) -> "Batch":
         move = lambda t: None if t is None else t.to(device, non_blocking=True)

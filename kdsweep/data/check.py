@@ -13,6 +13,7 @@ from pathlib import Path
 
 from kdsweep.config.schema import ConfigError, RunConfig
 from kdsweep.data.formats import FormatSpec, chat_template, check_row
+from kdsweep.data.mixing import hold_out
 from kdsweep.data.sources import eval_sources, read_rows, train_sources
 
 PEEK = 100
@@ -46,8 +47,9 @@ def preflight_data(cfg: RunConfig) -> None:
                           messages_column=ds.messages_column)
         for i, row in enumerate(rows):
             check_row(row, spec, where=f"{key}: {ds.path} row {i + 1}")
-        if key.startswith("data.datasets") and not d.eval_datasets and len(rows) < 2:
+        held_from = key.startswith("data.datasets") and not d.eval_datasets
+        if held_from and len(rows) < PEEK and not hold_out(len(rows), d.eval_fraction, d.split_seed)[0]:
             raise ConfigError(
-                f"{key}.path: {ds.path} holds {len(rows)} row, too few to hold out data.eval_fraction for "
-                "evaluation; add rows or set data.eval_datasets=[...]"
+                f"{key}.path: {ds.path} holds {len(rows)} row(s), too few to hold out data.eval_fraction="
+                f"{d.eval_fraction} for evaluation; add rows or set data.eval_datasets=[...]"
             )

@@ -37,6 +37,8 @@ DATA_VERSION = 1
 """Bump when the rows built from the same inputs change, so old caches are not reused."""
 TOKENIZER_FILES = ("tokenizer", "special_tokens", "added_tokens", "chat_template", "vocab", "merges", "spiece")
 """Prefixes of the files in a model directory that define its tokenizer."""
+TARGETS = {"text": "every token", "instruction": "the output column", "chat": "messages whose role is 'assistant'"}
+"""What each format trains on (without ``train_on_prompt``)."""
 # Settings that batch the rows but do not shape them: left out of the cache key.
 BATCHING = ("batch_size", "micro_batch_size", "eval_batch_size", "max_eval_sequences", "cache_dir")
 
@@ -44,8 +46,8 @@ BATCHING = ("batch_size", "micro_batch_size", "eval_batch_size", "max_eval_seque
 def cache_key(cfg: DataConfig, tokenizer_dir: Path, ignore_index: int, memo_dir: Path) -> str:
     """Hash of everything that determines the rows (see the module docstring)."""
     settings = {k: v for k, v in asdict(cfg).items() if k not in BATCHING}
-    for section in ("datasets", "eval_datasets"):  # a source counts by its content, wherever it lies
-        settings[section] = [{**ds, "path": None} for ds in settings[section]]
+    for section in ("datasets", "eval_datasets"):  # a source counts by its content and kind, wherever it lies
+        settings[section] = [{**ds, "path": Path(ds["path"]).suffix.lower() or "folder"} for ds in settings[section]]
     files = [content_hash(ds.path, memo_dir) for _, ds in train_sources(cfg) + eval_sources(cfg)]
     tok = hashlib.sha256()
     for f in sorted(tokenizer_dir.iterdir()):
@@ -53,6 +55,15 @@ def cache_key(cfg: DataConfig, tokenizer_dir: Path, ignore_index: int, memo_dir:
             tok.update(f.name.encode() + b"\0" + f.read_bytes())
     parts = [DATA_VERSION, settings, files, tok.hexdigest(), chat_template(cfg.chat_template), ignore_index]
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def cache_root(cfg: DataConfig) -> Path:
+    return Path(cfg.cache_dir) if cfg.cache_dir else kdsweep_cache() / "data"
+
+
+def data_key(cfg: DataConfig, tokenizer_dir: Path, ignore_index: int) -> str:
+    """The key of the run's rows in the cache (file hashes memoized beside it)."""
+    return cache_key(cfg, tokenizer_dir, ignore_index, cache_root(cfg) / "hashes")
 
 
 @dataclass(frozen=True)
@@ -71,9 +82,8 @@ class RunData:
 def load_data(cfg: DataConfig, tokenizer: Any, tokenizer_dir: Path, ignore_index: int = -100) -> RunData:
     """The run's rows, from the cache or built into it (safe when many jobs ask at once)."""
     t0 = time.perf_counter()
-    root = Path(cfg.cache_dir) if cfg.cache_dir else kdsweep_cache() / "data"
-    key = cache_key(cfg, tokenizer_dir, ignore_index, root / "hashes")
-    with built_once(root, key) as (final, tmp):
+    root = cache_root(cfg)
+    with built_once(root, data_key(cfg, tokenizer_dir, ignore_index)) as (final, tmp):
         if tmp is not None:
             train, held, stats = build(cfg, tokenizer, ignore_index)
             train.save(tmp / "train.pt")
@@ -114,6 +124,11 @@ def build(cfg: DataConfig, tokenizer: Any, ignore_index: int) -> tuple[Rows, Row
     train_parts, eval_parts = [], []
     train_info, eval_info = [], []
     for key, ds in train_sources(cfg):
+        if cfg.mix == "weighted" and ds.weight == 0:  # left out: neither trained on nor held out
+            train_parts.append([])
+            train_info.append({"key": key, "path": ds.path, "format": ds.format, "rows_read": 0, "held_out": 0,
+                               "weight": 0.0})
+            continue
         rows = read_rows(ds.path, split=ds.split, key=f"{key}.path")
         kept, held = (list(range(len(rows))), []) if cfg.eval_datasets else \
             hold_out(len(rows), cfg.eval_fraction, cfg.split_seed)
@@ -121,6 +136,11 @@ def build(cfg: DataConfig, tokenizer: Any, ignore_index: int) -> tuple[Rows, Row
             raise ConfigError(f"{key}.path: {ds.path} holds {len(rows)} row(s), too few to hold out "
                               f"data.eval_fraction={cfg.eval_fraction}; add rows or set data.eval_datasets")
         train_parts.append(samples_of(key, ds, rows, kept))
+        if not any(label != ignore_index for sample in train_parts[-1] for label in sample.labels):
+            raise ConfigError(
+                f"{key}.path: {ds.path}: no row has a token to train on (format {ds.format} trains on "
+                f"{TARGETS[ds.format]}); fix the data or its columns, or set data.train_on_prompt=true"
+            )
         train_info.append({"key": key, "path": ds.path, "format": ds.format, "rows_read": len(rows),
                            "held_out": len(held), "weight": ds.weight})
         if held:
@@ -137,6 +157,10 @@ def build(cfg: DataConfig, tokenizer: Any, ignore_index: int) -> tuple[Rows, Row
                              cfg.split_seed)
         train_samples = [train_parts[s][i] for s, i in picks]
         drawn = [sum(s == k for s, _ in picks) for k in range(len(sizes))]
+        for info, n, size in zip(train_info, drawn, sizes):
+            if size and not n:
+                log.warning("data: %s gives no sample to the mix: data.mix_samples=%d is too small for its weight",
+                            info["key"], cfg.mix_samples)
     else:
         train_samples = [s for part in train_parts for s in part]
         drawn = [len(p) for p in train_parts]

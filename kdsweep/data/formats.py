@@ -14,8 +14,8 @@ Formats (``FormatSpec.kind``):
 * ``chat``: ``row[messages_column]`` is a list of ``{"role", "content"}`` messages rendered by the tokenizer's own
   chat template (or ``FormatSpec.chat_template``). Assistant turns are trained on, everything else masked. An
   assistant turn ``i`` spans the characters between ``render(messages[:i], add_generation_prompt=True)`` and
-  ``render(messages[:i+1])`` (its content and end-of-turn marker); tokens whose first character falls in that
-  span are kept (offsets of a fast tokenizer). A template whose shorter renders are not prefixes of the full one
+  ``render(messages[:i+1])`` (its content and end-of-turn marker); tokens that overlap that span are kept
+  (offsets of a fast tokenizer), as transformers' ``{% generation %}`` masks do. A template whose shorter renders are not prefixes of the full one
   (e.g. one that rewrites earlier turns) is refused with one line.
 
 With ``train_on_prompt`` every token is trained on. ``add_bos`` prepends the tokenizer's BOS to text and
@@ -178,17 +178,19 @@ def _chat(row: Mapping[str, Any], spec: FormatSpec, tokenizer: Any, where: str) 
     messages = _messages(row, spec, where)
 
     def text(upto: int, prompt: bool = False) -> str:
-        return tokenizer.apply_chat_template(
-            messages[:upto], chat_template=template, tokenize=False, add_generation_prompt=prompt
-        )
+        try:
+            return tokenizer.apply_chat_template(
+                messages[:upto], chat_template=template, tokenize=False, add_generation_prompt=prompt
+            )
+        except Exception as e:  # noqa: BLE001 - jinja errors, and templates that raise_exception() on a row
+            if upto == 0:  # templates that index messages[0] cannot render an empty conversation
+                return ""
+            message = " ".join(str(e).split())[:200]
+            raise ConfigError(f"{where}: the chat template fails on this row ({type(e).__name__}: {message}); "
+                              "fix the row or set data.chat_template") from None
 
     def before(i: int) -> str:
-        try:
-            return text(i, prompt=True)
-        except Exception:  # noqa: BLE001 - templates that index messages[0] cannot render an empty conversation
-            if i:
-                raise
-            return ""
+        return text(i, prompt=True)
 
     full = text(len(messages))
     spans = []
@@ -202,5 +204,7 @@ def _chat(row: Mapping[str, Any], spec: FormatSpec, tokenizer: Any, where: str) 
                 )
             spans.append((len(start), len(through)))
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    trained = [any(a <= first < b for a, b in spans) for first, _ in enc["offset_mapping"]]
+    # a token that overlaps a turn is trained on: byte-level BPE merges the space that ends a generation prompt
+    # ("assistant: ") into the reply's first word, which must still be learnt (as {% generation %} masks do)
+    trained = [any(s < b and e > a for a, b in spans) for s, e in enc["offset_mapping"]]
     return list(enc["input_ids"]), trained

@@ -39,6 +39,8 @@ def weighted_mix(sizes: Sequence[int], weights: Sequence[float], total: int, see
     rng = random.Random(seed)
     picks: list[tuple[int, int]] = []
     for source, (size, count) in enumerate(zip(sizes, mix_counts(weights, total))):
+        if count and not size:
+            raise ValueError(f"source {source} has no samples but weight {weights[source]}")
         drawn: list[int] = []
         while len(drawn) < count:
             one_pass = list(range(size))

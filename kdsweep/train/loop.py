@@ -13,7 +13,7 @@ import torch
 from kdsweep.checkpoint import export as exporting
 from kdsweep.checkpoint import steps as checkpoints
 from kdsweep.config.schema import ConfigError, DataConfig, DistConfig, RunConfig, StudentConfig
-from kdsweep.data.dataset import load_data
+from kdsweep.data.dataset import data_key, load_data
 from kdsweep.data.rows import Rows
 from kdsweep.data.sampling import StepSampler
 from kdsweep.distributed import DistEnv, device_for, single_process
@@ -78,7 +78,7 @@ def eval_batches_of_rank(rows: Rows, batch_size: int, dist: DistEnv, device: tor
     """
     share = torch.arange(len(rows)).tensor_split(dist.world_size)[dist.rank]
     longest = -(-len(rows) // dist.world_size)
-    batches = [rows.batch(idx).to(device) for idx in share.split(batch_size)]
+    batches = [rows.batch(idx).to(device) for idx in share.split(batch_size) if len(idx)]
     while len(batches) < -(-longest // batch_size):
         batches.append(rows.batch([0], mask_labels=True).to(device))
     return batches
@@ -107,17 +107,18 @@ def _warn_idle_knobs(cfg: RunConfig, dist: DistEnv) -> None:
         log.warning("data.eval_fraction has no effect: data.eval_datasets are the held-out set")
 
 
-def training_fingerprint(cfg: RunConfig) -> dict[str, Any]:
+def training_fingerprint(cfg: RunConfig, data_key: str) -> dict[str, Any]:
     """The settings that determine the trained weights; a checkpoint only resumes a run with the same ones.
 
-    Left out: where and how the run is observed or laid out (output dir, logging, eval cadence, threads, device,
-    ranks and sharding, checkpoint cadence), which by design do not change the result.
+    The data counts by ``data_key`` (the tokenization cache's key: the sources' content and every setting that
+    shapes the rows) and the batch sizes, not by where the files lie. Left out: where and how the run is observed
+    or laid out (output dir, logging, eval cadence, threads, device, ranks and sharding, checkpoint cadence),
+    which by design do not change the result.
     """
     d = asdict(cfg)
-    drop = {"data": ("eval_batch_size", "max_eval_sequences", "cache_dir"), "train": ("eval_every", "log_every", "threads", "device")}
-    for section, keys in drop.items():
-        for key in keys:
-            d[section].pop(key)
+    d["data"] = {"content": data_key, "batch_size": cfg.data.batch_size, "micro_batch_size": cfg.data.micro_batch_size}
+    for key in ("eval_every", "log_every", "threads", "device"):
+        d["train"].pop(key)
     return {k: d[k] for k in ("model", "teacher", "data", "loss", "optim", "train")} | {
         "mixed_precision": cfg.dist.mixed_precision
     }
@@ -145,7 +146,7 @@ def check_resumable(cfg: RunConfig) -> Path | None:
             "pass a new hydra.run.dir to start over"
         )
     saved = torch.load(latest / "state_rank0.pt", weights_only=False).get("fingerprint")
-    now = training_fingerprint(cfg)
+    now = training_fingerprint(cfg, data_key(cfg.data, resolve_dir(cfg.model), cfg.loss.ignore_index))
     if saved is not None and saved != now:
         a, b = _flat(saved), _flat(now)
         diff = [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
@@ -154,6 +155,13 @@ def check_resumable(cfg: RunConfig) -> Path | None:
             "resume it unchanged, or pass another hydra.run.dir"
         )
     return latest
+
+
+def prepare_data(cfg: RunConfig) -> None:
+    """Build the run's tokenization cache here, before local ranks are spawned: a bad row is then one line from
+    this process, and the ranks only memory-map the result."""
+    student_dir = resolve_dir(cfg.model)
+    load_data(cfg.data, load_tokenizer(student_dir), student_dir, cfg.loss.ignore_index)
 
 
 def run(
@@ -306,7 +314,7 @@ def _train(
                 checkpoints.save(
                     ckpt_root, step, student, optimizer,
                     {"step": step, "scheduler": scheduler.state_dict(), "eval_before": asdict(eval_before),
-                     "fingerprint": training_fingerprint(cfg)},
+                     "fingerprint": training_fingerprint(cfg, data.cache_dir.name)},
                     dist, cfg.checkpoint.keep_last,
                 )
             if pruned or preempted:

@@ -16,6 +16,7 @@ def dirs(tmp_path_factory):
     (root / "chat.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n' * 3)
     (root / "chat_no_messages.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"text": "x"}\n')
     (root / "table.xlsx").write_text("x")
+    (root / "two_rows.txt").write_text("the cat\nsat on the mat\n")
     (root / "chat.jinja").write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
     (root / "not_a_model").mkdir()
     (root / "not_a_model" / "weights.bin").write_text("x")
@@ -49,6 +50,8 @@ CASES = {
                               "data.datasets.0.weight=0", "data.datasets.1.weight=0"], "data.datasets weights sum to 0"),
     "negative_weight": (["data=mixture", "data.datasets.0.path={root}/no_output.jsonl", "data.datasets.1.path={root}/chat.jsonl",
                          "data.datasets.1.weight=-1"], "data.datasets[1].weight=-1.0 must be a finite number >= 0"),
+    "nothing_left_to_train": (["data=text", "data.datasets.0.path={root}/two_rows.txt", "data.eval_fraction=0.75"],
+                              "two_rows.txt holds 2 row(s), too few to hold out data.eval_fraction=0.75"),
     "stream_needs_text": (["data=instruction", "data.datasets.0.path={root}/no_output.jsonl", "data.sequences=stream"],
                           "data.sequences=stream joins plain text, but data.datasets[0] has format instruction"),
     "no_eval_split": (["data.eval_fraction=0"], "no eval split"),

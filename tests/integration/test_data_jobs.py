@@ -74,3 +74,32 @@ def test_the_second_trial_of_a_sweep_reuses_the_tokenization_cache(data_dir, tmp
     assert built and reused and built[1] == reused[1], logs
     assert "tokenized and cached" not in logs[1]
     assert [read_run(sweep_dir / str(n))["data"]["cache_reused"] for n in (0, 1)] == [False, True]
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_bad_row_past_the_preflight_is_one_line_before_the_first_step(data_dir, tmp_path, ranks):
+    good = (data_dir / "inst.jsonl").read_text()
+    (tmp_path / "bad.jsonl").write_text(good + '{"instruction": "x", "input": ""}\n')  # row 201: no output
+    proc = kdsweep("data=instruction", f"data.datasets.0.path={tmp_path / 'bad.jsonl'}", "data.seq_len=128",
+                   f"data.cache_dir={tmp_path / 'cache'}", f"dist.nproc_per_node={ranks}",
+                   f"hydra.run.dir={tmp_path / 'run'}", *QUIET, cwd=tmp_path, check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "data.datasets[0]: " in lines[0] and "bad.jsonl row 201: no column 'output'" in lines[0]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_run_resumes_only_on_the_same_data_wherever_it_lies(data_dir, tmp_path):
+    src = tmp_path / "train.jsonl"
+    src.write_text((data_dir / "inst.jsonl").read_text())
+    run = [f"hydra.run.dir={tmp_path / 'run'}", "data=instruction", "data.seq_len=128", "data.batch_size=4",
+           "data.micro_batch_size=2", "data.max_eval_sequences=4", f"data.cache_dir={tmp_path / 'cache'}",
+           "train.max_steps=2", "train.eval_every=2", "checkpoint.export_merged=false", *QUIET]
+    kdsweep(*run, f"data.datasets.0.path={src}", cwd=tmp_path)
+    src.write_text(src.read_text().replace("the", "a"))  # same path, other content: refused
+    proc = kdsweep(*run, f"data.datasets.0.path={src}", cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "holds checkpoints of a different training config (data.content:" in proc.stderr
+    moved = tmp_path / "moved.jsonl"  # the original content elsewhere: resumed
+    moved.write_text((data_dir / "inst.jsonl").read_text())
+    kdsweep(*run, f"data.datasets.0.path={moved}", cwd=tmp_path)
+    assert read_run(tmp_path / "run")["start_step"] == 2

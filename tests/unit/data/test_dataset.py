@@ -182,6 +182,9 @@ def test_the_cache_is_reused_and_keyed_by_what_shapes_the_rows(tmp_path, files, 
     assert key(cfg, other_tok) != base
     with_template = DataConfig(**{**vars(cfg), "chat_template": "{{ messages }}"})
     assert key(with_template) != base
+    as_text = Path(files["root"]) / "same_bytes.txt"  # the same bytes read another way give other rows
+    as_text.write_bytes(Path(files["inst"]).read_bytes())
+    assert key(DataConfig(**{**vars(cfg), "datasets": (DatasetConfig(path=str(as_text), format="instruction"),)})) != base
 
 
 BUILD = textwrap.dedent("""
@@ -223,3 +226,20 @@ def test_a_bad_row_deep_in_a_source_is_one_line_naming_it(tmp_path, tok, tok_dir
         load_data(cfg, tok, tok_dir)
     assert "\n" not in str(e.value)
     assert not list((tmp_path / "cache").glob("*/train.pt"))  # nothing cached
+
+
+def test_a_weight_0_source_is_neither_trained_on_nor_held_out(tmp_path, files, tok, tok_dir):
+    src = (DatasetConfig(path=files["inst"], format="instruction", weight=1.0),
+           DatasetConfig(path=files["chat"], format="chat", weight=0.0))
+    data = load_data(data_cfg(tmp_path, datasets=src, mix="weighted", sequences="pad"), tok, tok_dir)
+    assert [s["samples"] for s in data.stats["train"]["sources"]] == [114, 0]
+    assert [s["key"] for s in data.stats["eval"]["sources"]] == ["data.datasets[0]"]
+
+
+def test_a_source_with_nothing_to_train_on_says_why(tmp_path, tok, tok_dir):
+    rows = [{"messages": [{"role": "human", "content": "the cat"}, {"role": "gpt", "content": "sat"}]}] * 10
+    path = write_jsonl(tmp_path / "sharegpt.jsonl", rows)
+    cfg = data_cfg(tmp_path, datasets=(DatasetConfig(path=path, format="chat"),), sequences="pack", seq_len=32)
+    with pytest.raises(ConfigError, match=r"^data\.datasets\[0\]\.path: .*sharegpt\.jsonl: no row has a token to "
+                                          r"train on \(format chat trains on messages whose role is 'assistant'\)"):
+        load_data(cfg, tok, tok_dir)

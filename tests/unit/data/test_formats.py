@@ -128,6 +128,48 @@ def test_chatml_bpe_masks_match_the_templates_generation_marks(chatml):
     assert chatml.decode(s.input_ids) == chatml.apply_chat_template(CONVERSATION, tokenize=False)[: -len("\n")]
 
 
+def test_a_reply_token_that_starts_in_the_generation_prompt_is_kept(chatml):
+    """Byte-level BPE merges the space ending "assistant " into the reply's first word (" The"): that token is part
+    of the reply the model must learn, and HF's {% generation %} mask keeps it too."""
+    template = CHATML.replace("<|im_start|>{{ m['role'] }}\n", "<|im_start|>{{ m['role'] }} ").replace(
+        "<|im_start|>assistant\n", "<|im_start|>assistant ")
+    conversation = [{"role": "user", "content": "How are you?"}, {"role": "assistant", "content": "The cat sat."},
+                    {"role": "user", "content": "And you?"}, {"role": "assistant", "content": "fine, thank you."}]
+    s = render({"messages": conversation}, FormatSpec(kind="chat", chat_template=template), chatml)
+    reference = chatml.apply_chat_template(conversation, chat_template=template, return_dict=True,
+                                           return_assistant_tokens_mask=True)
+    ids, marks = reference["input_ids"], reference["assistant_masks"]
+    assert s.labels == [i if m else IGNORE for i, m in zip(ids[1:], marks[1:])]
+    kept = [i for i in s.labels if i != IGNORE]
+    assert chatml.convert_ids_to_tokens(kept[0]) == "ĠThe"  # the space of "assistant " and "The", one token
+
+
+def test_the_embedded_tiny_tokenizer_keeps_whole_replies_and_masks_prompts():
+    from transformers import AutoTokenizer
+
+    from kdsweep.models import zoo
+
+    tiny = AutoTokenizer.from_pretrained(zoo.tokenizer_dir())
+    template = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}<assistant> {% endif %}")
+    row = {"messages": [{"role": "user", "content": "In the beginning"},
+                        {"role": "assistant", "content": "God created the heaven and the earth."}]}
+    s = render(row, FormatSpec(kind="chat", chat_template=template), tiny)
+    kept = tiny.decode([i for i in s.labels if i != IGNORE])
+    assert kept == " God created the heaven and the earth.\n"  # "ĠGod" straddles "> " and the reply: kept
+    inst = render({"instruction": "Say it", "input": "", "output": "Let there be light"}, FormatSpec(kind="instruction"), tiny)
+    assert tiny.decode([i for i in inst.labels if i != IGNORE]) == "Let there be light</s>"
+    assert tiny.decode(inst.input_ids).startswith("### Instruction:\nSay it\n\n### Response:\n")
+
+
+def test_a_template_that_fails_on_a_row_is_one_line(tok):
+    template = "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}" \
+               "{% endif %}{{ m['content'] }}{% endfor %}"
+    with pytest.raises(ConfigError, match=r"^chat.jsonl row 4: the chat template fails on this row \(.*no system role") as e:
+        render({"messages": CONVERSATION}, FormatSpec(kind="chat", chat_template=template), tok, where="chat.jsonl row 4")
+    assert "\n" not in str(e.value)
+
+
 def test_unknown_format_is_one_line():
     with pytest.raises(ConfigError, match=r"unknown data format 'sharegpt'; use one of text, instruction, chat$"):
         FormatSpec(kind="sharegpt")

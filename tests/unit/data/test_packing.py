@@ -165,3 +165,17 @@ def test_packed_loss_and_gradients_equal_the_padded_ones(packed, impl):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     for name, g in pd_grads.items():
         torch.testing.assert_close(pk_grads[name], g, atol=1e-5, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("n_rows,world,batch", [(2, 4, 8), (1, 2, 1), (7, 3, 2), (16, 2, 4)])
+def test_every_rank_gets_as_many_eval_batches_and_each_row_counts_once(n_rows, world, batch):
+    """Ranks of a sharded model must run the same number of forwards, even with fewer held-out rows than ranks."""
+    from kdsweep.distributed import DistEnv
+    from kdsweep.train.loop import eval_batches_of_rank
+
+    rows = padded_rows(random_docs([3 + i % 4 for i in range(n_rows)]))
+    per_rank = [eval_batches_of_rank(rows, batch, DistEnv(rank=r, world_size=world), torch.device("cpu"))
+                for r in range(world)]
+    assert len({len(b) for b in per_rank}) == 1
+    counted = sum(int((b.labels != IGNORE).sum()) for bs in per_rank for b in bs)
+    assert counted == int((rows.labels != IGNORE).sum())
