@@ -218,14 +218,38 @@ def _check_command_line(args: list[str]) -> None:
     except (HydraException, SystemExit):
         return  # malformed syntax: Hydra's own message says where
     groups = tuple(sorted(p.name for p in Path(conf_dir()).iterdir() if p.is_dir() and p.name != "hydra"))
+    chosen = {o.key_or_group: o.value() for o in overrides}
+    preset = None if "experiment" in chosen else chosen.get("data", "embedded")  # an experiment picks its own
     for o in overrides:
         key = o.key_or_group
         if o.is_add() or o.is_delete() or o.is_force_add() or key.startswith("hydra") or o.package:
             continue
         try:
             check_key(key, groups)
+            if isinstance(preset, str):
+                _check_source_override(key, preset)
         except ConfigError as e:
             fail(str(e), None)
+
+
+def _check_source_override(key: str, preset: str) -> None:
+    """``data.datasets.1.split=...`` changes a source the data preset lists, and only a field that source has:
+    Hydra would refuse anything else with a multi-line error."""
+    import yaml
+
+    match = re.fullmatch(r"data\.(datasets|eval_datasets)\.(\d+)\.(\w+)", key)
+    path = Path(conf_dir()) / "data" / f"{preset}.yaml"
+    if match is None or not path.is_file():
+        return
+    section, index, field = match[1], int(match[2]), match[3]
+    sources = (yaml.safe_load(path.read_text()) or {}).get(section) or []
+    example = f"data.{section}=[{{path:/data/train.jsonl,format:instruction{'' if field == 'path' else f',{field}:...'}}}]"
+    if index >= len(sources):
+        raise ConfigError(f"{key}: data={preset} has {len(sources)} source(s) in data.{section}, so no source "
+                          f"{index} to change; pass the whole list, e.g. {example}")
+    if field not in sources[index]:
+        raise ConfigError(f"{key}: source {index} of data={preset} has no {field} to change; pass the whole list, "
+                          f"e.g. {example}")
 
 
 def main() -> None:
