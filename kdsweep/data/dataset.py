@@ -118,7 +118,8 @@ def build(cfg: DataConfig, tokenizer: Any, ignore_index: int) -> tuple[Rows, Row
         spec = FormatSpec(kind=ds.format, text_column=ds.text_column, instruction_column=ds.instruction_column,
                           input_column=ds.input_column, output_column=ds.output_column,
                           messages_column=ds.messages_column, chat_template=template,
-                          train_on_prompt=cfg.train_on_prompt, add_bos=cfg.add_bos, ignore_index=ignore_index)
+                          train_on_prompt=cfg.train_on_prompt, add_bos=cfg.add_bos, ignore_index=ignore_index,
+                          source=key)
         return [render(rows[i], spec, tokenizer, where=f"{key}: {ds.path} row {i + 1}") for i in picks]
 
     train_parts, eval_parts = [], []

@@ -61,6 +61,8 @@ class FormatSpec:
     """Prepend the tokenizer's BOS token to ``text`` and ``instruction`` samples."""
     ignore_index: int = -100
     """Label of a token that is not trained on."""
+    source: str = "data.datasets[i]"
+    """The source's config key, for the fix an error names (``data.datasets[0].output_column``)."""
 
     def __post_init__(self) -> None:
         if self.kind not in FORMATS:
@@ -90,17 +92,17 @@ def render(row: Mapping[str, Any], spec: FormatSpec, tokenizer: Any, where: str 
         tokens, trained = _chat(row, spec, tokenizer, where)
     else:
         if spec.kind == "text":
-            pieces = [(_column(row, spec.text_column, "text_column", where), True)]
+            pieces = [(_column(row, spec.text_column, f"{spec.source}.text_column", where), True)]
         else:
             pieces = _instruction(row, spec, where)
         tokens, trained = [], []
         if spec.add_bos:
-            tokens, trained = [_special(tokenizer, "bos")], [False]
+            tokens, trained = [_special(tokenizer, "bos", "set data.add_bos=false")], [False]
         for text, is_target in pieces:
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             tokens += ids
             trained += [is_target] * len(ids)
-        tokens.append(_special(tokenizer, "eos"))
+        tokens.append(_special(tokenizer, "eos", "save the tokenizer with an eos_token"))
         trained.append(True)
     if spec.train_on_prompt:
         trained = [True] * len(tokens)
@@ -114,7 +116,7 @@ def check_row(row: Mapping[str, Any], spec: FormatSpec, where: str = "row") -> N
     elif spec.kind == "instruction":
         _instruction(row, spec, where)
     else:
-        _column(row, spec.text_column, "text_column", where)
+        _column(row, spec.text_column, f"{spec.source}.text_column", where)
 
 
 def chat_template(value: str | None) -> str | None:
@@ -137,19 +139,19 @@ def _column(row: Mapping[str, Any], column: str | None, field: str, where: str) 
 
 
 def _instruction(row: Mapping[str, Any], spec: FormatSpec, where: str) -> list[tuple[str, bool]]:
-    instruction = _column(row, spec.instruction_column, "instruction_column", where)
-    given = "" if spec.input_column is None else _column(row, spec.input_column, "input_column", where)
+    instruction = _column(row, spec.instruction_column, f"{spec.source}.instruction_column", where)
+    given = "" if spec.input_column is None else _column(row, spec.input_column, f"{spec.source}.input_column", where)
     if given.strip():
         prompt = INSTRUCTION_TEMPLATE.format(instruction=instruction, input=given)
     else:
         prompt = INSTRUCTION_TEMPLATE_NO_INPUT.format(instruction=instruction)
-    return [(prompt, False), (_column(row, spec.output_column, "output_column", where), True)]
+    return [(prompt, False), (_column(row, spec.output_column, f"{spec.source}.output_column", where), True)]
 
 
-def _special(tokenizer: Any, name: str) -> int:
+def _special(tokenizer: Any, name: str, fix: str) -> int:
     token_id = getattr(tokenizer, f"{name}_token_id")
     if token_id is None:
-        raise ConfigError(f"the tokenizer has no {name.upper()} token; set {name}_token on it")
+        raise ConfigError(f"the tokenizer has no {name.upper()} token; {fix}")
     return token_id
 
 
@@ -159,11 +161,12 @@ def _messages(row: Mapping[str, Any], spec: FormatSpec, where: str) -> list[dict
         got = "nothing" if messages is None else f"{type(messages).__name__} {str(messages)[:40]!r}"
         raise ConfigError(
             f"{where}: a chat row needs a non-empty list of messages in column {spec.messages_column!r}, got {got}; "
-            "fix the row or set messages_column"
+            f"fix the row or set {spec.source}.messages_column"
         )
     for i, m in enumerate(messages):
         if not (isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            raise ConfigError(f"{where}: message {i} is {str(m)[:60]!r}, not {{'role': str, 'content': str}}")
+            raise ConfigError(f"{where}: message {i} is {str(m)[:60]!r}, not {{'role': str, 'content': str}}; "
+                              "fix the row")
     return [dict(m) for m in messages]
 
 
@@ -172,8 +175,8 @@ def _chat(row: Mapping[str, Any], spec: FormatSpec, tokenizer: Any, where: str) 
     if not template:
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
         raise ConfigError(
-            f"format 'chat' needs a chat template and tokenizer {name!r} has none; set chat_template or use "
-            "format 'instruction'"
+            f"{spec.source}: format 'chat' needs a chat template and tokenizer {name!r} has none; set "
+            "data.chat_template or use format 'instruction'"
         )
     messages = _messages(row, spec, where)
 
@@ -200,7 +203,7 @@ def _chat(row: Mapping[str, Any], spec: FormatSpec, tokenizer: Any, where: str) 
             if not (full.startswith(start) and full.startswith(through) and len(start) <= len(through)):
                 raise ConfigError(
                     f"{where}: the chat template renders earlier turns differently once later ones follow, so "
-                    "assistant turns cannot be located; use a template that only appends (set chat_template)"
+                    "assistant turns cannot be located; use a template that only appends (set data.chat_template)"
                 )
             spans.append((len(start), len(through)))
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)

@@ -178,11 +178,11 @@ def test_unknown_format_is_one_line():
 @pytest.mark.parametrize(
     ("row", "spec", "match"),
     [
-        ({"prompt": "x"}, FormatSpec(kind="text"),
-         r"^rows\.jsonl row 4: no column 'text' \(columns: prompt\); set text_column"),
+        ({"prompt": "x"}, FormatSpec(kind="text", source="data.datasets[2]"),
+         r"^rows\.jsonl row 4: no column 'text' \(columns: prompt\); set data\.datasets\[2\]\.text_column"),
         ({"instruction": "a", "input": "", "response": "b"}, FormatSpec(kind="instruction"),
-         r"no column 'output' \(columns: instruction, input, response\); set output_column"),
-        ({"instruction": "a", "output": "b"}, FormatSpec(kind="instruction"), r"no column 'input'.*set input_column"),
+         r"no column 'output' \(columns: instruction, input, response\); set data\.datasets\[i\]\.output_column"),
+        ({"instruction": "a", "output": "b"}, FormatSpec(kind="instruction"), r"no column 'input'.*set data\.datasets\[i\]\.input_column"),
         ({"text": 3}, FormatSpec(kind="text"), r"column 'text' holds int, not text"),
         ({"text": "x"}, FormatSpec(kind="chat"),
          r"^rows\.jsonl row 4: a chat row needs a non-empty list of messages in column 'messages', got nothing"),
@@ -200,7 +200,7 @@ def test_bad_rows_are_one_line(tok, row, spec, match):
 
 def test_a_tokenizer_without_a_chat_template_is_one_line():
     plain = word_tokenizer(("user",))
-    match = r"format 'chat' needs a chat template and tokenizer .* has none; set chat_template"
+    match = r"format 'chat' needs a chat template and tokenizer .* has none; set data\.chat_template"
     with pytest.raises(ConfigError, match=match) as err:
         render({"messages": [{"role": "user", "content": "the"}]}, FormatSpec(kind="chat"), plain)
     assert "\n" not in str(err.value)
@@ -211,5 +211,5 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tok):
         "{% for m in messages %}{% if not loop.last %}{{ m['role'] }} {% endif %}{{ m['content'] }} </s> {% endfor %}"
     )
     row = {"messages": [{"role": "user", "content": "the"}, {"role": "assistant", "content": "cat"}]}
-    with pytest.raises(ConfigError, match=r"renders earlier turns differently .*\(set chat_template\)$"):
+    with pytest.raises(ConfigError, match=r"renders earlier turns differently .*\(set data\.chat_template\)$"):
         render(row, FormatSpec(kind="chat", chat_template=rewrites), tok)
