@@ -135,17 +135,20 @@ class Controller:
         if not self.manifest.trials:  # a new sweep: the given points go first
             for point in settings.enqueue:
                 self.study.enqueue_trial(dict(point))
-        self._fail_orphans()
+        self._adopt_orphans()
 
-    def _fail_orphans(self) -> None:
-        """Trials the study has but the manifest does not: a controller died between ask and saving the trial."""
-        from optuna.trial import TrialState
+    def _adopt_orphans(self) -> None:
+        """Trials the study has but the manifest does not: a controller died between ask and saving the trial, so
+        no job ever ran. Each is saved as asked (its point completed if ask was cut short) and starts now: its
+        number and the budget stay as they were."""
+        from optuna.trial import Trial, TrialState
 
         for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             if str(t.number) not in self.manifest.trials:
-                self.study._storage.set_trial_user_attr(t._trial_id, "reason", "the controller died before starting it")
-                self.study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
-                log.warning("trial %d was asked but never started (the controller died): recorded FAIL", t.number)
+                trial = Trial(self.study, t._trial_id)
+                params = {name: trial._suggest(name, d) for name, d in self.distributions.items()}  # sampled ones stay
+                self._save_asked(t.number, t._trial_id, params)
+                log.warning("trial %d was asked but never started (the controller died): starting it now", t.number)
 
     # -- one trial ---------------------------------------------------------------------------------------
     def _args(self, number: int, params: dict[str, Any]) -> list[str]:
@@ -172,12 +175,15 @@ class Controller:
                           started=entry.get("started") or time.time(), last_start=time.time())
         log.info("trial %d started (%s): %s", number, job_name(job), " ".join(f"{k}={v}" for k, v in entry["params"].items()))
 
+    def _save_asked(self, number: int, trial_id: int, params: dict[str, Any]) -> None:
+        run_dir = self.sweep_dir / str(number)
+        self.manifest.put(number, params=params, args=self._args(number, params), run_dir=str(run_dir),
+                          state="ASKED", attempts=0)
+        self.study._storage.set_trial_user_attr(trial_id, "run_dir", str(run_dir))
+
     def _ask_and_start(self) -> None:
         trial = self.study.ask(self.distributions)
-        run_dir = self.sweep_dir / str(trial.number)
-        self.manifest.put(trial.number, params=trial.params, args=self._args(trial.number, trial.params),
-                          run_dir=str(run_dir), state="ASKED", attempts=0)
-        self.study._storage.set_trial_user_attr(trial._trial_id, "run_dir", str(run_dir))
+        self._save_asked(trial.number, trial._trial_id, trial.params)
         self._start(trial.number)
 
     def _finish(self, number: int, exit_code: int | str) -> None:

@@ -31,12 +31,24 @@ def test_a_resumed_sweep_does_not_propose_its_old_points_again(tmp_path):
     assert not any(p in old for p in new)
 
 
-def test_a_trial_asked_but_never_saved_is_failed_on_resume(tmp_path):
+def test_a_trial_asked_but_never_saved_starts_on_resume_with_its_number_and_point(tmp_path):
     first = controller(tmp_path)
-    lost = first.study.ask(first.distributions)  # the controller died right after ask
+    lost = first.study.ask(first.distributions)  # the controller died right after ask: no job ran
     again = controller(tmp_path)
-    t = again.study.trials[lost.number]
-    assert t.state == optuna.trial.TrialState.FAIL and "controller died" in t.user_attrs["reason"]
+    entry = again.manifest.trial(lost.number)
+    assert entry["state"] == "ASKED" and entry["params"] == lost.params  # run() starts ASKED trials first
+    assert f"trial.number={lost.number}" in entry["args"]
+    assert again.study.trials[lost.number].state == optuna.trial.TrialState.RUNNING
+
+
+def test_a_trial_cut_short_inside_ask_gets_the_rest_of_its_point_on_resume(tmp_path):
+    first = controller(tmp_path)
+    half = first.study.ask()  # created, but the controller died while it sampled its point
+    kd_ratio = half.suggest_float("kd_ratio", 0.0, 1.0)
+    again = controller(tmp_path)
+    entry = again.manifest.trial(half.number)
+    assert entry["state"] == "ASKED" and entry["params"]["kd_ratio"] == kd_ratio and entry["params"]["lora_rank"] in (4, 8, 16)
+    assert again.study.trials[half.number].params == entry["params"]
 
 
 @pytest.mark.parametrize("change", [{"pruner": "median"}, {"seed": 1}, {"objectives": ("kl",)}])
