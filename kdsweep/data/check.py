@@ -42,9 +42,7 @@ def preflight_data(cfg: RunConfig) -> None:
             )
     for key, ds in train_sources(d) + eval_sources(d):
         rows = read_rows(ds.path, split=ds.split, key=f"{key}.path", limit=PEEK)
-        spec = FormatSpec(kind=ds.format, text_column=ds.text_column, instruction_column=ds.instruction_column,
-                          input_column=ds.input_column, output_column=ds.output_column,
-                          messages_column=ds.messages_column, source=key)
+        spec = FormatSpec.of(ds, key)
         for i, row in enumerate(rows):
             check_row(row, spec, where=f"{key}: {ds.path} row {i + 1}")
         held_from = key.startswith("data.datasets") and not d.eval_datasets

@@ -115,20 +115,19 @@ def build(cfg: DataConfig, tokenizer: Any, ignore_index: int) -> tuple[Rows, Row
     template = chat_template(cfg.chat_template)
 
     def samples_of(key: str, ds: DatasetConfig, rows: list[dict[str, Any]], picks: list[int]) -> list[Sample]:
-        spec = FormatSpec(kind=ds.format, text_column=ds.text_column, instruction_column=ds.instruction_column,
-                          input_column=ds.input_column, output_column=ds.output_column,
-                          messages_column=ds.messages_column, chat_template=template,
-                          train_on_prompt=cfg.train_on_prompt, add_bos=cfg.add_bos, ignore_index=ignore_index,
-                          source=key)
+        spec = FormatSpec.of(ds, key, chat_template=template, train_on_prompt=cfg.train_on_prompt,
+                             add_bos=cfg.add_bos, ignore_index=ignore_index)
         return [render(rows[i], spec, tokenizer, where=f"{key}: {ds.path} row {i + 1}") for i in picks]
+
+    def info(key: str, ds: DatasetConfig, rows_read: int, **more: Any) -> dict[str, Any]:
+        return {"key": key, "path": ds.path, "format": ds.format, "rows_read": rows_read, **more}
 
     train_parts, eval_parts = [], []
     train_info, eval_info = [], []
     for key, ds in train_sources(cfg):
         if cfg.mix == "weighted" and ds.weight == 0:  # left out: neither trained on nor held out
             train_parts.append([])
-            train_info.append({"key": key, "path": ds.path, "format": ds.format, "rows_read": 0, "held_out": 0,
-                               "weight": 0.0})
+            train_info.append(info(key, ds, 0, held_out=0, weight=0.0))
             continue
         rows = read_rows(ds.path, split=ds.split, key=f"{key}.path")
         kept, held = (list(range(len(rows))), []) if cfg.eval_datasets else \
@@ -142,15 +141,14 @@ def build(cfg: DataConfig, tokenizer: Any, ignore_index: int) -> tuple[Rows, Row
                 f"{key}.path: {ds.path}: no row has a token to train on (format {ds.format} trains on "
                 f"{TARGETS[ds.format]}); fix the data or its columns, or set data.train_on_prompt=true"
             )
-        train_info.append({"key": key, "path": ds.path, "format": ds.format, "rows_read": len(rows),
-                           "held_out": len(held), "weight": ds.weight})
+        train_info.append(info(key, ds, len(rows), held_out=len(held), weight=ds.weight))
         if held:
             eval_parts.append(samples_of(key, ds, rows, held))
-            eval_info.append({"key": key, "path": ds.path, "format": ds.format, "rows_read": len(held)})
+            eval_info.append(info(key, ds, len(held)))
     for key, ds in eval_sources(cfg):
         rows = read_rows(ds.path, split=ds.split, key=f"{key}.path")
         eval_parts.append(samples_of(key, ds, rows, list(range(len(rows)))))
-        eval_info.append({"key": key, "path": ds.path, "format": ds.format, "rows_read": len(rows)})
+        eval_info.append(info(key, ds, len(rows)))
 
     if cfg.mix == "weighted":
         sizes = [len(p) for p in train_parts]

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from kdsweep.config.schema import FORMATS, ConfigError
+from kdsweep.config.schema import FORMATS, ConfigError, DatasetConfig
 
 INSTRUCTION_TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 """Prompt of an instruction row with a non-empty input; the response follows it directly."""
@@ -67,6 +67,14 @@ class FormatSpec:
     def __post_init__(self) -> None:
         if self.kind not in FORMATS:
             raise ConfigError(f"unknown data format {self.kind!r}; use one of {', '.join(FORMATS)}")
+
+    @classmethod
+    def of(cls, ds: DatasetConfig, source: str, **settings: Any) -> "FormatSpec":
+        """The spec of source ``ds`` (config key ``source``); ``settings`` are the run-wide ones (template,
+        ``train_on_prompt``, ``add_bos``, ``ignore_index``)."""
+        return cls(kind=ds.format, text_column=ds.text_column, instruction_column=ds.instruction_column,
+                   input_column=ds.input_column, output_column=ds.output_column, messages_column=ds.messages_column,
+                   source=source, **settings)
 
 
 @dataclass(frozen=True)
