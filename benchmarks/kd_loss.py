@@ -44,7 +44,9 @@ def measure(impl: str, vocab: int, hidden: int, bt: int, dtype: str, repeats: in
     from types import SimpleNamespace
 
     from kdsweep.losses import kd_loss_sums
-    from kdsweep.train.fused import frozen_projection, fused_loss_sums
+    from kdsweep.losses.targets import Logits
+    from kdsweep.models.heads import frozen_projection
+    from kdsweep.train.fused import fused_loss_sums
 
     torch.manual_seed(0)
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
@@ -75,7 +77,7 @@ def measure(impl: str, vocab: int, hidden: int, bt: int, dtype: str, repeats: in
     def step() -> float:
         if impl == "fused":
             with frozen_projection(teacher) as t_head:
-                sums, mixed = fused_loss_sums(student, {"input_ids": labels}, h_t, t_head, labels, kd_ratio=0.5, num_chunks=chunks, **kw)
+                sums, mixed = fused_loss_sums(student, {"input_ids": labels}, Logits(hidden=h_t, head=t_head), labels, kd_ratio=0.5, num_chunks=chunks, **kw)
                 loss = mixed / sums.tokens
                 loss.backward()
         else:

@@ -142,6 +142,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(spec["threads"])
     from kdsweep.config.schema import LossConfig, OptimConfig, StudentConfig, TeacherConfig
     from kdsweep.data.dataset import load_data
+    from kdsweep.teacher.live import LiveTeacher
     from kdsweep.data.sampling import StepSampler
     from kdsweep.distributed import single_process
     from kdsweep.models.load import load_student, load_teacher, load_tokenizer, resolve_dir
@@ -178,7 +179,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         shares = sampler.rank_micro_batches(step, 0, 1, spec["micro_batch_size"])
         t0, c0 = time.perf_counter(), time.process_time()
         micro = [rows.batch(idx) for idx in shares]
-        stats = train_step(student, teacher, micro, optimizer, scheduler, loss_cfg=loss_cfg,
+        stats = train_step(student, LiveTeacher(teacher), micro, optimizer, scheduler, loss_cfg=loss_cfg,
                            max_grad_norm=optim_cfg.max_grad_norm, dist=dist)
         dt, dc = time.perf_counter() - t0, time.process_time() - c0
         losses.append(stats.loss)

@@ -9,14 +9,17 @@ Same search space (conf/hparams_search/kd_optuna.yaml), budget (--n-trials, --co
   processes (the same fixed overrides the sweep gives its trials; OMP_NUM_THREADS = cores // concurrency like
   kdsweep's local backend), wait for the whole batch, tell, repeat.
 
-Per arm: wall time, trial-seconds (sum of each trial's end - start), best objective (held-out student CE), the
-time until the async arm first completes a trial at or below the batch arm's best, and pruned trials.
+Per arm: wall time, trial-seconds (sum of each trial's end - start), device-seconds (trial-seconds × ranks), best
+objective (held-out student CE), the time and the device-seconds (of every trial, up to that moment) until the arm
+first completes a trial at or below the batch arm's best, and pruned trials. With --cache the async arm reads a
+teacher-logit cache (``teacher.logits=cache``, method sample, built by its first trial into a fresh directory:
+the build is included) while the batch arm keeps the live teacher, as a hand-glued sweep does.
 The samplers see different histories (pruned trials, the order results arrive in), so the arms' trials may
 differ once TPE leaves its random start-up trials (10 by default); each async row says whether its params
 equal the batch trial with the same number. The arms run one after the other, never side by side.
 
     python benchmarks/sweep_async.py [--n-trials 8] [--concurrency 2] [--seed 0] [--extra train.max_steps=10 ...]
-                                     [--out benchmarks/results/sweep_async.json] [--keep DIR]
+                                     [--cache] [--out benchmarks/results/sweep_async.json] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -58,7 +61,13 @@ def trial_env(concurrency: int) -> dict[str, str]:
     return env
 
 
-def summarize(rows: list[dict[str, Any]], wall_s: float, target: float | None) -> dict[str, Any]:
+def device_seconds(rows: list[dict[str, Any]], until: float, ranks: int) -> float:
+    """Seconds every trial held its ranks between the arm's start and ``until``."""
+    return ranks * sum(max(0.0, min(r["ended"] if r["ended"] is not None else until, until) - r["started"])
+                       for r in rows)
+
+
+def summarize(rows: list[dict[str, Any]], wall_s: float, target: float | None, ranks: int = 1) -> dict[str, Any]:
     """Arm metrics from its trial rows (times relative to the arm's start)."""
     done = [r for r in rows if r["state"] == "COMPLETE"]
     best = min(done, key=lambda r: (r["objective"], r["ended"])) if done else None
@@ -66,6 +75,8 @@ def summarize(rows: list[dict[str, Any]], wall_s: float, target: float | None) -
     return {
         "wall_s": round(wall_s, 2),
         "trial_seconds": round(sum(r["ended"] - r["started"] for r in rows if r["ended"] is not None), 2),
+        "device_seconds": round(device_seconds(rows, wall_s, ranks), 2),
+        "device_s_to_batch_best": round(device_seconds(rows, min(reached), ranks), 2) if reached else None,
         "best_objective": best["objective"] if best else None,
         "best_trial": best["number"] if best else None,
         "s_to_own_best": round(min(r["ended"] for r in done if r["objective"] <= best["objective"]), 2) if best else None,
@@ -167,6 +178,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--extra", action="append", default=[], metavar="OVERRIDE",
                         help="a Hydra override for every trial of both arms (repeat it), e.g. train.max_steps=10")
+    parser.add_argument("--cache", action="store_true",
+                        help="the async arm reads a teacher-logit cache its first trial builds (the batch arm: live)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "sweep_async.json"))
     parser.add_argument("--keep", default=None, help="keep the arms' run directories here (default: a temp dir)")
     args = parser.parse_args()
@@ -175,7 +188,8 @@ def main() -> None:
     work = Path(args.keep or tempfile.mkdtemp(prefix="sweep_async-")).resolve()
     try:
         print(f"async arm: kdsweep -m hparams_search={SEARCH}, {n} trials, {c} at a time, seed {seed}", flush=True)
-        async_rows, async_wall, async_space = run_async(work, n, c, seed, args.extra)
+        cache = ["teacher.logits=cache", "teacher.cache.method=sample", f"teacher.cache.dir={work / 'teacher_cache'}"]
+        async_rows, async_wall, async_space = run_async(work, n, c, seed, [*args.extra, *(cache if args.cache else [])])
         print(f"batch arm: batches of {c}, no pruning", flush=True)
         batch_rows, batch_wall, batch_space = run_batch(work, n, c, seed, args.extra)
     finally:
@@ -184,10 +198,11 @@ def main() -> None:
     if async_space != batch_space:
         raise SystemExit(f"the arms searched different spaces: {async_space} vs {batch_space}")
 
-    batch = summarize(batch_rows, batch_wall, None)
+    ranks = next((int(e.split("=")[1]) for e in args.extra if e.startswith("dist.nproc_per_node=")), 1)
+    batch = summarize(batch_rows, batch_wall, None, ranks)
     target = batch["best_objective"]
-    batch = summarize(batch_rows, batch_wall, target)
-    async_ = summarize(async_rows, async_wall, target)
+    batch = summarize(batch_rows, batch_wall, target, ranks)
+    async_ = summarize(async_rows, async_wall, target, ranks)
     batch_params = {r["number"]: r["params"] for r in batch_rows}
     for r in async_rows:
         r["same_params_as_batch"] = r["params"] == batch_params.get(r["number"])
@@ -197,10 +212,14 @@ def main() -> None:
         return "-" if v is None else format(v, spec)
 
     print(f"\n{'arm':<22} {'wall s':>7} {'trial-s':>8} {'best':>8} {'s to own best':>13} {'s to batch best':>15} "
-          f"{'pruned':>6} {'failed':>6}")
+          f"{'device-s to batch best':>22} {'pruned':>6} {'failed':>6}")
     for name, m in arms.items():
         print(f"{name:<22} {m['wall_s']:>7.1f} {m['trial_seconds']:>8.1f} {fmt(m['best_objective'], '.4f'):>8} "
-              f"{fmt(m['s_to_own_best'], '.1f'):>13} {fmt(m['s_to_batch_best'], '.1f'):>15} {m['pruned']:>6} {m['failed']:>6}")
+              f"{fmt(m['s_to_own_best'], '.1f'):>13} {fmt(m['s_to_batch_best'], '.1f'):>15} "
+              f"{fmt(m['device_s_to_batch_best'], '.1f'):>22} {m['pruned']:>6} {m['failed']:>6}")
+    ratio = (async_["device_s_to_batch_best"] / batch["device_s_to_batch_best"]
+             if async_["device_s_to_batch_best"] is not None and batch["device_s_to_batch_best"] else None)
+    print(f"device-seconds to reach the batch arm's best, async / batch: {fmt(ratio, '.3f')}")
     same = sum(r["same_params_as_batch"] for r in async_rows)
     print(f"{same}/{len(async_rows)} async trials have the same params as the batch trial with the same number "
           "(the samplers see different histories, so the trials may differ)")
@@ -220,7 +239,10 @@ def main() -> None:
             "trial_threads": int(trial_env(c)["OMP_NUM_THREADS"]), "space": batch_space,
             "sweeper": {k: v for k, v in sweeper_yaml().items() if k != "params"},
             "order": ["async_pruning", "batch_sync_no_pruning"],
+            "async_teacher": "cache (sample, k=12, built by its first trial)" if args.cache else "live",
+            "batch_teacher": "live",
         },
+        "device_s_to_batch_best_ratio": ratio,
         "notes": [
             "times are seconds from the arm's start (the async arm: launching the sweep command, which includes "
             "composing and validating the search space's corners)",

@@ -10,6 +10,7 @@ import logging
 import os
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -51,10 +52,11 @@ def resolve(cfg: DictConfig) -> dict[str, Any]:
 def validate(raw: dict[str, Any]) -> RunConfig:
     """Typed config + every check that needs no weights (paths, tokenizers, context length, data files)."""
     from kdsweep.data.check import preflight_data
-    from kdsweep.models.check import preflight_models
+    from kdsweep.models.check import preflight_models, preflight_targets
 
     cfg = to_run_config(raw)
     preflight_models(cfg)
+    preflight_targets(cfg)
     preflight_data(cfg)
     return cfg
 
@@ -149,9 +151,12 @@ def _launch(run_cfg: RunConfig, raw: dict[str, Any], overrides: list[str]) -> di
 
     from kdsweep.train import check_resumable, prepare_data
 
+    from kdsweep.models.check import preflight_targets
+
     env = detect()
     spawn_local = env.world_size == 1 and run_cfg.dist.nproc_per_node > 1
     check_resumable(run_cfg)  # here too, so that spawned ranks never start on someone else's checkpoints
+    preflight_targets(run_cfg, zoo_too=True)  # a LoRA target that selects nothing: one line, not a rank's traceback
     if spawn_local:
         check_local_launch(run_cfg.dist, device_for(run_cfg.train.device, env))
     elif env.world_size > 1:
@@ -176,6 +181,11 @@ def task(cfg: DictConfig) -> float:
     """One KD job; returns the held-out student CE (the objective), the same on every rank."""
     from hydra.core.hydra_config import HydraConfig
 
+    from kdsweep.metrics.records import JOB_STARTED, process_started
+
+    # when this job started (its ranks, spawned later, count from here): the process's start for its first job,
+    # now for the next ones of a multirun in this process
+    os.environ[JOB_STARTED] = str(process_started() if JOB_STARTED not in os.environ else time.time())
     hc = HydraConfig.get()
     output_dir = hc.runtime.output_dir
     overrides = list(hc.overrides.task)

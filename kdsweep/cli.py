@@ -1,6 +1,6 @@
 """The ``kdsweep`` console script: ``kdsweep [overrides]`` is ``python -m kdsweep``; plus the sweep subcommands.
 
-    kdsweep status <sweep dir>     the trials of a sweep: state, objective, params, best marked
+    kdsweep status <sweep dir>     the trials of a sweep: state, objective, params, best marked; what it cost
     kdsweep resume <sweep dir>     continue a sweep after its controller died (same command, same directory)
     kdsweep logs <sweep dir> <trial> [--rank N]   a trial's log (its job's output, or rank N's own log)
     kdsweep dashboard <sweep dir> [--host H] [--port P]   the study in optuna-dashboard (a database password:
@@ -24,13 +24,14 @@ def _sweep_dir(args: list[str], command: str) -> Path:
 
 def status(args: list[str]) -> None:
     from kdsweep.sweep.controller import summary_lines
+    from kdsweep.sweep.cost import cost_lines, sweep_cost
     from kdsweep.sweep.manifest import Manifest
 
     manifest = Manifest.load(_sweep_dir(args, "status"))
     settings = manifest.data["settings"]
     print(f"sweep {manifest.path.parent} (study {manifest.data['study_name']}, {len(manifest.trials)} of "
           f"{settings['n_trials']} trials, storage {settings['storage'] or 'sqlite in the sweep dir'})")
-    print("\n".join(summary_lines(manifest)))
+    print("\n".join([*summary_lines(manifest), *cost_lines(sweep_cost(manifest))]))
 
 
 def resume(args: list[str]) -> None:

@@ -35,6 +35,58 @@ def word_tokenizer(extra_words: tuple[str, ...] = ()):
     )
 
 
+# Tiny random-init models of the architectures users bring, built from transformers' own config classes. Every
+# one shares the word tokenizer's ids (BOS 1, EOS 2, PAD 3), so any two of them can be teacher and student.
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "gpt_neox", "olmo2")
+
+
+def arch_config(arch: str, vocab: int, hidden: int = 32, layers: int = 2, max_positions: int = 64):
+    """The config of a tiny ``arch`` model (4 query heads, 2 KV heads where the family has GQA)."""
+    import transformers as tf
+
+    ids = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}
+    common = {"vocab_size": vocab, "hidden_size": hidden, "intermediate_size": 2 * hidden,
+              "num_hidden_layers": layers, "num_attention_heads": 4, "max_position_embeddings": max_positions,
+              "use_cache": False, **ids}
+    gqa = {**common, "num_key_value_heads": 2}
+    head = {"head_dim": hidden // 4}
+    return {
+        "llama": lambda: tf.LlamaConfig(**gqa, tie_word_embeddings=False),
+        "qwen2": lambda: tf.Qwen2Config(**gqa, tie_word_embeddings=True),  # Qwen2.5-0.5B ties its embeddings
+        "qwen3": lambda: tf.Qwen3Config(**gqa, **head, tie_word_embeddings=True),
+        "mistral": lambda: tf.MistralConfig(**gqa, tie_word_embeddings=False),
+        # logit soft-capping, tied embeddings, a scaled embedding buffer, sliding window every other layer
+        "gemma2": lambda: tf.Gemma2Config(**gqa, **head, sliding_window=8),
+        # two rotary buffers (local and global) and the scaled embedding buffer
+        "gemma3": lambda: tf.Gemma3TextConfig(**gqa, **head, sliding_window=8),
+        "phi3": lambda: tf.Phi3Config(**gqa, tie_word_embeddings=False),  # fused qkv_proj and gate_up_proj
+        "gpt_neox": lambda: tf.GPTNeoXConfig(**common),  # Pythia: query_key_value, dense, dense_h_to_4h, ...
+        "olmo2": lambda: tf.Olmo2Config(**gqa),
+    }[arch]()
+
+
+def save_arch(path: Path, arch: str, tokenizer, *, hidden: int = 32, layers: int = 2, seed: int = 0,
+              pad_vocab: int = 0, max_positions: int = 64) -> Path:
+    """A tiny random-init ``arch`` model and ``tokenizer``, saved as a Hugging Face directory."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    torch.manual_seed(seed)
+    config = arch_config(arch, len(tokenizer) + pad_vocab, hidden, layers, max_positions)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def word_lines(n: int, vocab: list[str], seed: int, shortest: int = 8, longest: int = 30) -> list[str]:
+    """``n`` seeded lines of random words: a corpus for tiny models."""
+    import random
+
+    rng = random.Random(seed)
+    return [" ".join(rng.choices(vocab, k=rng.randint(shortest, longest))) for _ in range(n)]
+
+
 def save_hf_model(path: Path, tokenizer, *, hidden: int = 32, layers: int = 2, seed: int = 0, max_positions: int = 64, pad_vocab: int = 0) -> Path:
     model = tiny_llama(vocab=len(tokenizer) + pad_vocab, hidden=hidden, layers=layers, seed=seed, max_positions=max_positions)
     model.config.eos_token_id = tokenizer.eos_token_id

@@ -59,6 +59,8 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
         (inner,) = [a for a in args if a is not type(None)]
         return _coerce(inner, value, key)
     if origin is tuple:
+        if isinstance(value, str) and args == (str, Ellipsis):  # a list of names given as one name
+            value = [value]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}={value!r} must be a list, e.g. {key}=[a,b]")
         item = args[0]

@@ -31,7 +31,8 @@ class ModelSource:
     """Where a model comes from: a local HF directory (``path``) or the embedded tiny zoo (``zoo``)."""
 
     path: str | None = None
-    """Local Hugging Face model directory (config.json + weights + tokenizer). Wins over ``zoo``."""
+    """A local Hugging Face model directory (config.json + weights + tokenizer), or a hub id ``org/name`` (optionally
+    ``org/name@revision``) read from the Hugging Face cache (kdsweep.hub). Wins over ``zoo``."""
     zoo: str | None = None
     """Name of an embedded tiny model built locally on first use: one of ZOO_NAMES."""
 
@@ -58,8 +59,10 @@ class StudentConfig(ModelSource):
     """LoRA scaling numerator (the update is scaled by alpha / rank)."""
     lora_dropout: float = 0.0
     """Dropout on the LoRA input during training."""
-    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    """Module names (suffixes) that receive LoRA adapters."""
+    target_modules: tuple[str, ...] = ("all-linear",)
+    """What receives LoRA adapters: presets that fit any architecture (``all-linear``: every linear layer but the
+    output layer, as peft defines it; ``attention``; ``mlp``) and module names (``lm_head``, ``q_proj``), matched
+    on the model before training (kdsweep.models.targets). A single string is a one-item list."""
 
     def __post_init__(self) -> None:
         self._validate("model")
@@ -71,16 +74,55 @@ class StudentConfig(ModelSource):
         _check(0.0 <= self.lora_dropout < 1.0, f"model.lora_dropout={self.lora_dropout} must be in [0, 1)")
         _check(
             self.lora_rank == 0 or len(self.target_modules) > 0,
-            "model.target_modules is empty; list the modules that get LoRA (e.g. [q_proj,v_proj]) or set lora_rank=0",
+            "model.target_modules is empty; pass model.target_modules=all-linear (or a list such as [q_proj,v_proj]) "
+            "or set lora_rank=0",
         )
+
+
+TEACHER_LOGITS = ("live", "cache")
+CACHE_METHODS = ("full", "sample", "topk")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TeacherCacheConfig:
+    """The teacher-logit cache (``teacher.logits=cache``): what one teacher pass over the tokenized rows keeps, shared
+    by every trial and rank that reads it (kdsweep.teacher.cache; kdsweep.losses.targets says what is exact)."""
+
+    method: str = "sample"
+    """full: every logit in the teacher's dtype (exact: any divergence, any temperature); sample: k tokens drawn per
+    position from the teacher's distribution (an unbiased forward-KL gradient, RS-KD); topk: the k most likely tokens
+    and the rest of the mass as one tail outcome (any divergence on k + 1 outcomes; biased unless the tail is empty)."""
+    k: int = 12
+    """Tokens kept per position by sample and topk (12 draws match full KD in the RS-KD paper)."""
+    temperature: float | None = None
+    """The temperature sample draws and topk log-probabilities are taken at; null means loss.temperature. Training
+    at another temperature is refused for sample and topk (full keeps logits: any temperature)."""
+    seed: int = 0
+    """Seeds the draws of method=sample (each row has its own stream, so the cache does not depend on the ranks)."""
+    dir: str | None = None
+    """Where caches are built (default ``$KDSWEEP_CACHE/teacher``); shared by every trial and rank, like the data's."""
+
+    def __post_init__(self) -> None:
+        _check(self.method in CACHE_METHODS,
+               f"teacher.cache.method={self.method} is unknown; use one of {', '.join(CACHE_METHODS)}")
+        _check(self.k >= 1, f"teacher.cache.k={self.k} must be >= 1 (tokens kept per position)")
+        _check(self.temperature is None or self.temperature > 0,
+               f"teacher.cache.temperature={self.temperature} must be > 0, or null for loss.temperature")
 
 
 @dataclass(frozen=True, kw_only=True)
 class TeacherConfig(ModelSource):
     """The teacher: frozen, in eval mode, never trained."""
 
+    logits: str = "live"
+    """live: the teacher runs on every micro-batch of every trial; cache: one teacher pass writes its targets once
+    (``teacher.cache``) and every job reads them, never loading the teacher."""
+    cache: TeacherCacheConfig = field(default_factory=TeacherCacheConfig)
+
     def __post_init__(self) -> None:
         self._validate("teacher")
+        _check(self.logits in TEACHER_LOGITS,
+               f"teacher.logits={self.logits} is unknown; use live (run the teacher) or cache (read a teacher pass)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -463,11 +505,37 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         _check(bool(self.output_dir), "output_dir is empty; pass hydra.run.dir=<directory>")
+        self._check_cache()
         pr = self.profiler
         _check(
             not pr.enabled or pr.wait + pr.warmup + pr.active <= self.train.max_steps,
             f"profiler.wait+warmup+active={pr.wait + pr.warmup + pr.active} steps exceed train.max_steps="
             f"{self.train.max_steps}, so no trace would be written; lower profiler.active or profiler.wait",
+        )
+
+    @property
+    def cache_temperature(self) -> float:
+        """The temperature the teacher cache's sparse targets are taken at (teacher.cache.temperature or the loss's)."""
+        t = self.teacher.cache.temperature
+        return self.loss.temperature if t is None else t
+
+    def _check_cache(self) -> None:
+        """What a teacher-logit cache method cannot give the loss: one line naming what would work."""
+        c, loss = self.teacher.cache, self.loss
+        if self.teacher.logits != "cache" or c.method == "full":
+            return
+        _check(
+            c.method != "sample" or loss.divergence == "forward_kl",
+            f"loss.divergence={loss.divergence} cannot be trained from teacher.cache.method=sample: draws from the "
+            "teacher estimate only forward_kl without bias (the others need the teacher's probability wherever the "
+            "student puts mass); use loss.divergence=forward_kl, or teacher.cache.method=topk (every divergence on "
+            "the top k + tail) or full",
+        )
+        _check(
+            self.cache_temperature == loss.temperature,
+            f"teacher.cache.temperature={c.temperature} but loss.temperature={loss.temperature}: "
+            f"{c.method} targets taken at one temperature are not the teacher at another; set "
+            f"teacher.cache.temperature=null (the loss's), or use teacher.cache.method=full (logits: any temperature)",
         )
 
     def check_world_size(self, world_size: int) -> None:

@@ -22,6 +22,9 @@ class Batch:
     transformers builds a block-diagonal causal mask from them (no attention across documents)."""
     attention_mask: torch.Tensor | None = None
     """``[B, T]`` padded rows: 1 on tokens, 0 on padding."""
+    rows: torch.Tensor | None = None
+    """``[B]`` (on the CPU) the indices of these rows in their split, for whatever was computed per row beforehand
+    (a teacher-logit cache)."""
 
     def inputs(self) -> dict[str, Any]:
         """Keyword arguments of the models' forward. ``use_cache=False`` always: with a KV cache transformers does
@@ -31,4 +34,5 @@ class Batch:
 
     def to(self, device: torch.device) -> "Batch":
         move = lambda t: None if t is None else t.to(device, non_blocking=True)
-        return Batch(move(self.input_ids), move(self.labels), move(self.position_ids), move(self.attention_mask))
+        return Batch(move(self.input_ids), move(self.labels), move(self.position_ids), move(self.attention_mask),
+                     self.rows)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kdsweep import hub
 from kdsweep.config.schema import ConfigError, RunConfig
 from kdsweep.data.formats import FormatSpec, chat_template, check_row
 from kdsweep.data.mixing import hold_out
@@ -34,7 +35,7 @@ def preflight_data(cfg: RunConfig) -> None:
     chat_sources = [key for key, ds in train_sources(d) + eval_sources(d) if ds.format == "chat"]
     if chat_sources and template is None:
         # the embedded tiny tokenizer has no chat template
-        if cfg.model.path is None or not has_chat_template(Path(cfg.model.path)):
+        if cfg.model.path is None or not has_chat_template(hub.model_dir("model.path", cfg.model.path)):
             name = cfg.model.path or f"the embedded {cfg.model.zoo}"
             raise ConfigError(
                 f"{chat_sources[0]}.format=chat needs a chat template and the tokenizer of {name} has none; "

@@ -15,55 +15,26 @@ data setting that shapes the rows (not the batch sizes). The first job to need i
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kdsweep.config.schema import ConfigError, DataConfig, DatasetConfig
-from kdsweep.data.cache import built_once, kdsweep_cache
+from kdsweep.data.cache import built_once
 from kdsweep.data.formats import FormatSpec, Sample, chat_template, render
 from kdsweep.data.mixing import hold_out, weighted_mix
 from kdsweep.data.packing import apply_length_policy, pack, windows
 from kdsweep.data.rows import Rows
-from kdsweep.data.sources import content_hash, eval_sources, read_rows, train_sources
+from kdsweep.data.key import cache_root, data_key
+from kdsweep.data.sources import eval_sources, read_rows, train_sources
 
 log = logging.getLogger(__name__)
 
-DATA_VERSION = 1
-"""Bump when the rows built from the same inputs change, so old caches are not reused."""
-TOKENIZER_FILES = ("tokenizer", "special_tokens", "added_tokens", "chat_template", "vocab", "merges", "spiece")
-"""Prefixes of the files in a model directory that define its tokenizer."""
 TARGETS = {"text": "every token", "instruction": "the output column", "chat": "messages whose role is 'assistant'"}
 """What each format trains on (without ``train_on_prompt``)."""
-# Settings that batch the rows but do not shape them: left out of the cache key.
-BATCHING = ("batch_size", "micro_batch_size", "eval_batch_size", "max_eval_sequences", "cache_dir")
-
-
-def cache_key(cfg: DataConfig, tokenizer_dir: Path, ignore_index: int, memo_dir: Path) -> str:
-    """Hash of everything that determines the rows (see the module docstring)."""
-    settings = {k: v for k, v in asdict(cfg).items() if k not in BATCHING}
-    for section in ("datasets", "eval_datasets"):  # a source counts by its content and kind, wherever it lies
-        settings[section] = [{**ds, "path": Path(ds["path"]).suffix.lower() or "folder"} for ds in settings[section]]
-    files = [content_hash(ds.path, memo_dir) for _, ds in train_sources(cfg) + eval_sources(cfg)]
-    tok = hashlib.sha256()
-    for f in sorted(tokenizer_dir.iterdir()):
-        if f.is_file() and f.name.startswith(TOKENIZER_FILES):
-            tok.update(f.name.encode() + b"\0" + f.read_bytes())
-    parts = [DATA_VERSION, settings, files, tok.hexdigest(), chat_template(cfg.chat_template), ignore_index]
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
-
-
-def cache_root(cfg: DataConfig) -> Path:
-    return Path(cfg.cache_dir) if cfg.cache_dir else kdsweep_cache() / "data"
-
-
-def data_key(cfg: DataConfig, tokenizer_dir: Path, ignore_index: int) -> str:
-    """The key of the run's rows in the cache (file hashes memoized beside it)."""
-    return cache_key(cfg, tokenizer_dir, ignore_index, cache_root(cfg) / "hashes")
 
 
 @dataclass(frozen=True)

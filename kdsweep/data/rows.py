@@ -88,7 +88,8 @@ class Rows:
                 position_ids[r, : b - a] = self.position_ids[a:b]
         if mask_labels:
             labels.fill_(self.ignore_index)
-        return Batch(input_ids, labels, position_ids, None if bool(mask.all()) else mask)
+        return Batch(input_ids, labels, position_ids, None if bool(mask.all()) else mask,
+                     torch.as_tensor(indices, dtype=torch.long).reshape(-1))
 
     def padding_fraction(self, micro_batches: Sequence[torch.Tensor]) -> float:
         """Share of the tokens of these micro-batches (index tensors) that are padding."""

@@ -1,4 +1,4 @@
-"""Rows of one local data source, read offline, with one-line errors.
+"""Rows of one data source, read offline, with one-line errors.
 
 Kinds of source (chosen by suffix, or by the contents of a folder):
 
@@ -10,6 +10,8 @@ Kinds of source (chosen by suffix, or by the contents of a folder):
 - ``.txt``: one document per non-empty line, as ``{"text": line}``.
 - a folder saved by ``datasets.Dataset.save_to_disk``, or by ``DatasetDict.save_to_disk`` (pick ``split``,
   ``"train"`` by default);
+- a hub dataset id ``org/name`` (``org/name@revision``) that names no local path: the split ``datasets`` loads
+  for it, from its cache when ``HF_HUB_OFFLINE=1`` (kdsweep never asks for a download itself);
 - any other folder: the rows of its data shards (all ``.jsonl``, ``.parquet``, ``.csv`` or ``.json``, recursive)
   concatenated in sorted order, so a Hub-style folder's README does not count; a folder without shards gives
   one ``{"text": ...}`` document per ``*.txt``/``*.md`` file (recursive, sorted by relative path).
@@ -29,6 +31,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from kdsweep.config.schema import ConfigError, DataConfig, DatasetConfig
+from kdsweep.hub import hub_id
 
 SUFFIXES: tuple[str, ...] = (".jsonl", ".json", ".parquet", ".csv", ".tsv", ".txt")
 TEXT_SUFFIXES = (".txt", ".md")
@@ -40,12 +43,15 @@ def read_rows(path: str, *, split: str | None = None, key: str = "data.datasets"
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
     p, where = Path(path), f"{key}: {path}"
-    if not p.exists():
-        raise ConfigError(f"{where} does not exist; point {key} to an existing file ({', '.join(SUFFIXES)}) or folder")
     is_dict = p.is_dir() and (p / "dataset_dict.json").is_file()
-    if split is not None and not is_dict:
-        raise ConfigError(f"{where}: split={split!r} only applies to a DatasetDict folder, which this is not; unset split")
-    if is_dict or (p.is_dir() and (p / "state.json").is_file() and (p / "dataset_info.json").is_file()):
+    if not p.exists() and hub_id(path) is not None:
+        rows = _take(hub_dataset(path, split, where, key), limit)
+    elif not p.exists():
+        raise ConfigError(f"{where} does not exist; point {key} to an existing file ({', '.join(SUFFIXES)}) or folder")
+    elif split is not None and not is_dict:
+        raise ConfigError(f"{where}: split={split!r} only applies to a DatasetDict folder or a hub dataset, which this "
+                          "is not; unset split")
+    elif is_dict or (p.is_dir() and (p / "state.json").is_file() and (p / "dataset_info.json").is_file()):
         rows = _saved_dataset(p, (split or "train") if is_dict else None, where, limit)
     elif p.is_dir():
         rows = _folder(p, key, limit)
@@ -183,6 +189,22 @@ def _saved_dataset(p: Path, split: str | None, where: str, limit: int | None) ->
     return ds.to_list()
 
 
+def hub_dataset(path: str, split: str | None, where: str, key: str) -> Any:
+    """The ``split`` (default train) of hub dataset ``path`` (``org/name[@revision]``) as ``datasets`` loads it:
+    from its cache when ``HF_HUB_OFFLINE=1`` (what a cluster node reads), else through the hub."""
+    import datasets
+
+    repo, revision = hub_id(path)
+    try:
+        return datasets.load_dataset(repo, revision=revision, split=split or "train")
+    except Exception as e:  # datasets raises many kinds; the user needs one line, not a traceback
+        raise ConfigError(
+            f"{where} is not a local path, and datasets cannot load {repo} ({_one_line(e)[:200]}); fill the datasets "
+            f"cache ({datasets.config.HF_DATASETS_CACHE}) with datasets.load_dataset({repo!r}) on a machine with "
+            f"network, or point {key} to a local file or folder"
+        ) from None
+
+
 def _visible_files(p: Path) -> list[Path]:
     """Files under folder ``p`` (recursive), no part of the name starting with '.', sorted by relative path."""
     files = [f for f in p.rglob("*") if f.is_file() and not any(s.startswith(".") for s in f.relative_to(p).parts)]
@@ -250,6 +272,8 @@ def content_hash(path: str, memo_dir: Path | None = None) -> str:
     memo is written to a temp file and ``os.replace``-d, so concurrent writers never leave a torn one.
     """
     p = Path(path)
+    if not p.exists() and hub_id(path) is not None:  # a hub dataset counts by the Arrow files of its cache entry
+        p = Path(hub_dataset(path, None, path, "data.datasets").cache_files[0]["filename"]).parent
     if not p.exists():
         raise FileNotFoundError(f"{path} does not exist; cannot hash it")
     if memo_dir is None:

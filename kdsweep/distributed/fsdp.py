@@ -3,7 +3,7 @@
 Units: every decoder layer (the model's ``_no_split_modules``), the output projection on its own when it is
 not tied to the input embeddings (grouping it with the final norm crashed in backward with the HF forward),
 and the root for what is left. Weights are loaded by broadcasting rank 0's full state dict into the shards,
-so only rank 0 ever reads the files.
+and buffers (which no state dict holds in full) by broadcasting rank 0's, so only rank 0 ever reads the files.
 """
 
 from __future__ import annotations
@@ -22,10 +22,15 @@ def hf_model(model: nn.Module) -> nn.Module:
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of the model: the classes transformers names in ``_no_split_modules``, else the items of
+    its longest ``ModuleList`` (the decoder stack of any architecture that does not declare them)."""
     names = set(getattr(hf_model(model), "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:
-        raise ValueError(f"cannot find the decoder layers of {type(hf_model(model)).__name__} (no _no_split_modules)")
+        stacks = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+        layers = list(max(stacks, key=len)) if stacks else []
+    if not layers:
+        raise ValueError(f"cannot find the decoder layers of {type(hf_model(model)).__name__}")
     return layers
 
 
@@ -58,11 +63,28 @@ def gather_to_rank0(model: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def recompute_rotary(model: nn.Module) -> None:
-    """Rebuild rotary ``inv_freq`` buffers, which are not in any state dict and hold garbage after ``to_empty``."""
-    for module in model.modules():
-        if hasattr(module, "inv_freq") and hasattr(module, "config"):
-            fresh = type(module)(module.config)
-            for name in ("inv_freq", "original_inv_freq"):
-                if hasattr(module, name):
-                    getattr(module, name).copy_(getattr(fresh, name).to(getattr(module, name).device))
+def broadcast_buffers(model: nn.Module, source: nn.Module | None) -> None:
+    """Give every buffer of the sharded ``model`` the value it has in rank 0's ``source`` (the same model read by
+    ``from_pretrained``; None on other ranks). A collective: every rank calls it.
+
+    ``to_empty`` leaves buffers as uninitialised memory, and a state dict holds only the persistent ones: rotary
+    frequencies (``inv_freq``, Gemma 3's ``sliding_attention_inv_freq``), Gemma's ``embed_scale`` and whatever a
+    future architecture registers are not in it. So all of them are taken from the source, by name, whatever
+    they are called; a buffer the source lacks is an error, never garbage.
+    """
+    import torch.distributed as dist
+
+    buffers = dict(model.named_buffers())
+    if source is not None:
+        given = dict(source.named_buffers())
+        if set(given) != set(buffers):
+            raise ValueError(f"the sharded model's buffers differ from the loaded model's: "
+                             f"{sorted(set(given) ^ set(buffers))[:4]}")
+        for name, buf in buffers.items():
+            buf.copy_(given[name].to(device=buf.device, dtype=buf.dtype))
+    on_gpu = dist.get_backend() == "nccl"  # NCCL moves GPU memory only (offloaded models keep buffers on the host)
+    for buf in buffers.values():
+        wire = buf.cuda() if on_gpu and buf.device.type != "cuda" else buf
+        dist.broadcast(wire, src=0)
+        if wire is not buf:
+            buf.copy_(wire)

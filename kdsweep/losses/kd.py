@@ -14,16 +14,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kdsweep.losses.divergences import (
-    check_divergence,
-    divergence_per_token,
-    divergence_sum,
-    finite_teacher,
-    forward_kl,
-    log_probs,
-    temperature_factor,
-    upcast,
-)
+from kdsweep.losses.divergences import check_divergence, divergence_sum, log_probs, temperature_factor, upcast
+from kdsweep.losses.targets import Logits, Targets
 
 
 class LossSums(NamedTuple):
@@ -95,11 +87,16 @@ def forward_kl_sum(
     return total
 
 
-def _check_shapes(student_logits: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor) -> None:
+def _check_shapes(student_logits: torch.Tensor, teacher: torch.Tensor | Targets, labels: torch.Tensor) -> None:
     leading = tuple(student_logits.shape[:-1])
-    if student_logits.dim() < 2 or tuple(teacher.shape[:-1]) != leading or tuple(labels.shape) != leading:
+    if isinstance(teacher, torch.Tensor):
+        ok = tuple(teacher.shape[:-1]) == leading
+        shape = tuple(teacher.shape)
+    else:
+        ok, shape = len(teacher) == labels.numel(), f"{type(teacher).__name__} of {len(teacher)} tokens"
+    if student_logits.dim() < 2 or not ok or tuple(labels.shape) != leading:
         raise ValueError(
-            f"kd_loss_sums: student logits {tuple(student_logits.shape)}, teacher {tuple(teacher.shape)} and labels "
+            f"kd_loss_sums: student logits {tuple(student_logits.shape)}, teacher {shape} and labels "
             f"{tuple(labels.shape)} must share their leading (token) shape, with the vocabulary last "
             "(same batch, same sequence length, labels without a vocabulary dimension)"
         )
@@ -107,7 +104,7 @@ def _check_shapes(student_logits: torch.Tensor, teacher: torch.Tensor, labels: t
 
 def kd_loss_sums(
     student_logits: torch.Tensor,
-    teacher_logits: torch.Tensor,
+    teacher: torch.Tensor | Targets,
     labels: torch.Tensor,
     *,
     divergence: str = "forward_kl",
@@ -117,43 +114,43 @@ def kd_loss_sums(
     num_chunks: int = 1,
     teacher_logprobs: bool = False,
 ) -> LossSums:
-    """CE, the temperature-scaled KD divergence and the T=1 forward KL, summed over valid tokens in ``num_chunks`` chunks.
+    """CE, the temperature-scaled KD divergence and the logged forward KL, summed over valid tokens in ``num_chunks`` chunks.
 
-    student_logits ``[..., Vs]``; teacher_logits ``[..., Vt]``: logits, or log-probabilities at T = 1 when
-    ``teacher_logprobs`` (e.g. a cached teacher); labels ``[...]`` with the same leading shape. Everything is
-    flattened to tokens; the vocabularies are cut to the smaller one (:func:`align_vocab`) and both
-    distributions renormalised there in fp32. ``divergence`` is one of
-    :data:`~kdsweep.losses.divergences.DIVERGENCES`, ``beta`` its β (jsd, jsd_normalized, symmetric);
-    ``kd = temperature_factor(divergence, T)·Σ D(teacher_T, student_T)`` (T², or T for tvd). Chunking changes
-    neither values nor gradients beyond fp32 summation order. Raises a one-line ValueError for shapes that
+    student_logits ``[..., Vs]``; ``teacher``: logits ``[..., Vt]`` (or log-probabilities at T = 1 when
+    ``teacher_logprobs``), or the teacher's targets for the flattened tokens (:mod:`kdsweep.losses.targets`: logits,
+    or what a teacher-logit cache kept); labels ``[...]`` with the same leading shape. Everything is flattened to
+    tokens; the vocabularies are cut to the smaller one (:func:`align_vocab`) and both distributions renormalised
+    there in fp32. ``divergence`` is one of :data:`~kdsweep.losses.divergences.DIVERGENCES`, ``beta`` its β (jsd,
+    jsd_normalized, symmetric); ``kd = temperature_factor(divergence, T)·Σ D(teacher_T, student_T)`` (T², or T for
+    tvd). The logged ``kl`` is KL(teacher ‖ student) at the targets' ``kl_temperature`` (1 for logits). Chunking
+    changes neither values nor gradients beyond fp32 summation order. Raises a one-line ValueError for shapes that
     cannot be aligned or a bad divergence, β or temperature.
     """
-    _check_shapes(student_logits, teacher_logits, labels)
+    _check_shapes(student_logits, teacher, labels)
     check_divergence(divergence, beta, temperature)
     if num_chunks < 1:
         raise ValueError(f"num_chunks={num_chunks} must be >= 1")
+    del teacher_logprobs  # log-probs and logits take the same path: see log_probs
     factor = temperature_factor(divergence, temperature)
-    student_logits, teacher_logits = align_vocab(student_logits, teacher_logits)
-    v = student_logits.shape[-1]
-    s, t, y = student_logits.reshape(-1, v), teacher_logits.reshape(-1, v), labels.reshape(-1)
+    targets = Logits(logits=teacher.reshape(-1, teacher.shape[-1])) if isinstance(teacher, torch.Tensor) else teacher
+    s, y = student_logits.reshape(-1, student_logits.shape[-1]), labels.reshape(-1)
     ce = s.new_zeros((), dtype=torch.float32)
     kd = s.new_zeros((), dtype=torch.float32)
     kl = s.new_zeros((), dtype=torch.float32)
-    for s_c, t_c, y_c in split_chunks(num_chunks, s, t, y):
+    for (s_c, y_c), t_c in zip(split_chunks(num_chunks, s, y), targets.split(num_chunks)):
+        s_c = s_c[..., : min(s_c.shape[-1], t_c.vocab)]
         valid = valid_mask(y_c, ignore_index)
         log_p_s = log_probs(s_c, temperature)
-        log_p_t = finite_teacher(log_probs(t_c, temperature))
-        d = divergence_per_token(divergence, log_p_s, log_p_t, beta=beta)
+        d = t_c.divergence(log_p_s, divergence, beta, temperature)
         kd = kd + torch.where(valid, d, 0.0).sum()
-        if temperature == 1.0:
-            # The tempered log-probs are the T=1 ones: reuse them for CE and the logged KL.
-            ce = ce + F.nll_loss(log_p_s, y_c, ignore_index=ignore_index, reduction="sum")
-            with torch.no_grad():
-                kl_tok = d if divergence == "forward_kl" else forward_kl(log_p_s, log_p_t)
-                kl = kl + torch.where(valid, kl_tok, 0.0).sum()
-        else:
-            ce = ce + cross_entropy_sum(s_c, y_c, ignore_index)
-            with torch.no_grad():
-                kl = kl + forward_kl_sum(s_c, t_c, y_c, temperature=1.0, ignore_index=ignore_index)
+        # The tempered log-probs are the T=1 ones at T=1: reuse them for CE.
+        ce = ce + (F.nll_loss(log_p_s, y_c, ignore_index=ignore_index, reduction="sum") if temperature == 1.0
+                   else cross_entropy_sum(s_c, y_c, ignore_index))
+        with torch.no_grad():
+            if divergence == "forward_kl" and t_c.kl_temperature == temperature:
+                kl_tok = d
+            else:
+                kl_tok = t_c.kl(log_p_s if t_c.kl_temperature == temperature else log_probs(s_c, t_c.kl_temperature))
+            kl = kl + torch.where(valid, kl_tok, 0.0).sum()
     tokens = valid_mask(y, ignore_index).sum()
     return LossSums(ce=ce, kd=kd * factor, kl=kl, tokens=tokens)

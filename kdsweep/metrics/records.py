@@ -36,6 +36,12 @@ def git_sha() -> str | None:
     return out.stdout.strip() or None
 
 
+COST_FIELDS = ("steps", "train_tokens", "trial_seconds", "device_seconds", "loop_seconds", "teacher_tokens_computed",
+               "teacher_tokens_read")
+"""What a run's ``cost`` sums over its attempts: optimizer steps, trained (non-padding) tokens, wall seconds from
+the job's start, device-seconds (wall seconds × ranks), the seconds of its steps and evals (``loop_seconds``), and the
+teacher positions a model computed (live, or the cache's build) or a cache supplied."""
+
 SLURM_VARS = {
     "job_id": "SLURM_JOB_ID", "array_job_id": "SLURM_ARRAY_JOB_ID", "array_task_id": "SLURM_ARRAY_TASK_ID",
     "restart_count": "SLURM_RESTART_COUNT", "nodelist": "SLURM_JOB_NODELIST", "ntasks": "SLURM_NTASKS",
@@ -57,6 +63,29 @@ def environment() -> dict[str, Any]:
         "git_sha": git_sha(), "packages": package_versions(), "host": platform.node(), "pid": os.getpid(),
         "slurm": slurm(),
     }
+
+
+JOB_STARTED = "KDSWEEP_JOB_STARTED"
+"""The environment variable holding when the job's first process started (epoch seconds): ranks spawned later
+inherit it, so a job's seconds count from its start (imports, tokenization) to its end."""
+
+
+def process_started() -> float:
+    """When this process started (epoch seconds), from /proc; now where that cannot be read."""
+    import time
+
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, StopIteration, IndexError):
+        return time.time()
+
+
+def job_started() -> float:
+    """When this job started: what the first process of the job put in the environment, else this process's start."""
+    return float(os.environ.get(JOB_STARTED) or process_started())
 
 
 def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
@@ -82,6 +111,12 @@ class RunRecord:
             # every attempt's SLURM job (ids stay across requeues; restart counts do not)
             "slurm_attempts": previous.get("slurm_attempts", []) + ([env["slurm"]] if env["slurm"] else []),
         }
+        self._earlier_costs: list[dict[str, float]] = previous.get("costs", [])
+
+    def cost(self, attempt: dict[str, float]) -> None:
+        """Record what this attempt has cost so far (``costs``: one entry per attempt; ``cost``: their sums)."""
+        costs = [*self._earlier_costs, attempt]
+        self.update(costs=costs, cost={k: sum(c.get(k, 0) for c in costs) for k in COST_FIELDS})
 
     def update(self, **fields: Any) -> None:
         self.data.update(fields)

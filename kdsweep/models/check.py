@@ -1,34 +1,40 @@
 """Cheap checks of model directories before anything is loaded (JSON reads only; no torch).
 
-They turn the usual ways a KD job dies minutes in — a wrong path, a directory that is not an HF model,
-teacher and student with different tokenizers, a sequence longer than the model's context — into one line
-before the job starts.
+They turn the usual ways a KD job dies minutes in — a wrong path, a hub id missing from the cache, a directory
+that is not an HF model, teacher and student with different tokenizers, a sequence longer than the model's
+context, a fused loss on a model that transforms its logits — into one line before the job starts.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
+from kdsweep import hub
 from kdsweep.config.schema import ConfigError, ModelSource, RunConfig
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
-def check_model_dir(section: str, path: str) -> dict[str, Any]:
-    """The model's config.json as a dict, or a ConfigError naming ``section.path`` and the fix."""
-    d = Path(path)
+def check_model_dir(section: str, path: str, d: Path | None = None) -> dict[str, Any]:
+    """The model's config.json as a dict, or a ConfigError naming ``section.path`` and the fix.
+
+    ``d`` is where ``path`` lies when it is not a directory itself (the cached snapshot of a hub id)."""
+    d = Path(path) if d is None else d
     if not d.exists():
         raise ConfigError(f"{section}.path={path} does not exist; pass {section}.path=<a local HF model directory>")
+    where = f"{section}.path={path}" + ("" if str(d) == path else f" ({d})")
     if not (d / "config.json").is_file():
         raise ConfigError(
-            f"{section}.path={path} is not a Hugging Face model directory (no config.json); "
+            f"{where} is not a Hugging Face model directory (no config.json); "
             "point it at the folder save_pretrained() wrote"
         )
     if not any((d / w).is_file() for w in WEIGHT_FILES):
-        raise ConfigError(f"{section}.path={path} has no weights ({' or '.join(WEIGHT_FILES[::2])})")
+        raise ConfigError(f"{where} has no weights ({' or '.join(WEIGHT_FILES[::2])})")
     return json.loads((d / "config.json").read_text())
 
 
@@ -49,13 +55,46 @@ def tokenizer_fingerprint(section: str, path: str) -> tuple[str, int]:
     raise ConfigError(f"{section}.path={path} has no tokenizer (tokenizer.json or tokenizer.model); save one beside the model")
 
 
+def _launching() -> bool:
+    """Whether this process launches the job rather than being one of its ranks (torchrun, SLURM tasks): only the
+    launcher may fill the hub cache, so N ranks never download the same model at once."""
+    return "RANK" not in os.environ and int(os.environ.get("SLURM_NTASKS", "1") or 1) <= 1
+
+
 def _source(section: str, src: ModelSource) -> tuple[str | None, dict[str, Any]]:
-    """(directory or None for a not-yet-built zoo model, what is known of its config)."""
+    """(directory or None for a not-yet-built zoo model, what is known of its config). A hub id is resolved
+    here, in the launching process, and downloaded into the cache if it is missing and the hub is reachable."""
     if src.path is not None:
-        return src.path, check_model_dir(section, src.path)
+        d = hub.model_dir(f"{section}.path", src.path, download=_launching())
+        return str(d), check_model_dir(section, src.path, d)
     from kdsweep.models import zoo  # imports no torch at module level
 
-    return None, {"max_position_embeddings": zoo.max_positions(src.zoo)}
+    return None, {"max_position_embeddings": zoo.max_positions(src.zoo), "vocab_size": zoo.TOKENIZER["vocab_size"]}
+
+
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+"""Config fields of architectures that transform their logits after the output layer (Gemma 2's soft-capping,
+Cohere's scale, Granite's scaling): the fused loss, which projects hidden states itself, cannot apply them."""
+
+
+def logit_transform(config: dict[str, Any]) -> tuple[str, Any] | None:
+    """(field, value) of the first logit transform a model's config.json sets, or None."""
+    for conf in (config, config.get("text_config") or {}):
+        for name in LOGIT_TRANSFORMS:
+            if conf.get(name) not in (None, 1, 1.0):
+                return name, conf[name]
+    return None
+
+
+def _vocab(config: dict[str, Any]) -> int:
+    """The output layer's rows, from config.json (Gemma 3 and other multimodal configs nest it in text_config)."""
+    return int(config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size") or 0)
+
+
+def _zoo_tokenizer_dir() -> str:
+    from kdsweep.models import zoo
+
+    return str(zoo.tokenizer_dir())
 
 
 def preflight_models(cfg: RunConfig) -> None:
@@ -69,19 +108,30 @@ def preflight_models(cfg: RunConfig) -> None:
                 f"data.seq_len={cfg.data.seq_len} is beyond the {section}'s {limit} positions "
                 f"(max_position_embeddings); pass data.seq_len=<at most {limit}>"
             )
-    if s_dir is None or t_dir is None:
-        if (s_dir is None) != (t_dir is None):
+        # a cached teacher's logits come from its own forward, transforms included: only live models are refused
+        live = section == "model" or cfg.teacher.logits == "live"
+        transform = logit_transform(conf) if cfg.loss.impl == "fused" and live else None
+        if transform is not None:
             raise ConfigError(
-                "model and teacher mix an embedded tiny model with a local directory; they would not share a "
-                "tokenizer. Use model=tiny teacher=tiny, or two directories"
+                f"loss.impl=fused: the {section} ({', '.join(conf.get('architectures') or ['model'])}) applies "
+                f"{transform[0]}={transform[1]} to its logits after the output layer, which the fused loss cannot "
+                "do; use loss.impl=chunked"
             )
+    from kdsweep.teacher.check import preflight_cache
+
+    preflight_cache(cfg, min((v for v in (_vocab(s_cfg), _vocab(t_cfg)) if v), default=0))
+    if s_dir is None and t_dir is None:
         return  # both from the zoo: one tokenizer by construction
-    s_fp, s_vocab = tokenizer_fingerprint("model", s_dir)
-    t_fp, _ = tokenizer_fingerprint("teacher", t_dir)
+    # a zoo model beside a directory: the zoo's tokenizer (built on first use) against the directory's
+    s_tok, t_tok = s_dir or _zoo_tokenizer_dir(), t_dir or _zoo_tokenizer_dir()
+    s_fp, s_vocab = tokenizer_fingerprint("model", s_tok)
+    t_fp, _ = tokenizer_fingerprint("teacher", t_tok)
     if s_fp != t_fp:
+        fix = ("use model=tiny teacher=tiny, or two directories of one family" if None in (s_dir, t_dir)
+               else "pick a teacher and student from the same model family")
         raise ConfigError(
-            f"teacher.path={t_dir} and model.path={s_dir} have different tokenizers; token-level distillation "
-            "needs one shared vocabulary: pick a teacher and student from the same model family"
+            f"teacher {cfg.teacher.path or 'tiny (embedded)'} and model {cfg.model.path or 'tiny (embedded)'} have "
+            f"different tokenizers; token-level distillation needs one shared vocabulary: {fix}"
         )
     smallest = min(s_cfg.get("vocab_size", s_vocab), t_cfg.get("vocab_size", s_vocab))
     if s_vocab > smallest:
@@ -89,3 +139,26 @@ def preflight_models(cfg: RunConfig) -> None:
             f"the tokenizer has {s_vocab} tokens but one model's output layer has only {smallest} rows "
             "(vocab_size in config.json); the models do not match their tokenizer"
         )
+
+
+def preflight_targets(cfg: RunConfig, *, zoo_too: bool = False) -> None:
+    """A ConfigError when an item of ``model.target_modules`` selects no module of the student.
+
+    Builds the student on the meta device (imports torch and transformers; no weights read), once per model and
+    target list in a process. Zoo students are checked only with ``zoo_too`` (their first use builds them)."""
+    if cfg.model.lora_rank == 0 or (cfg.model.path is None and not zoo_too):
+        return
+    if cfg.model.path is not None:
+        d = hub.model_dir("model.path", cfg.model.path)
+    else:
+        from kdsweep.models import zoo
+
+        d = zoo.model_dir(cfg.model.zoo)
+    _check_targets(str(d), cfg.model.target_modules)
+
+
+@functools.lru_cache(maxsize=32)
+def _check_targets(model_dir: str, requested: tuple[str, ...]) -> None:
+    from kdsweep.models.targets import check_targets
+
+    check_targets(Path(model_dir), requested)

@@ -1,8 +1,8 @@
 """Load the tokenizer, the frozen teacher and the (LoRA or fully) trainable student from HF directories.
 
 With one rank a model is read straight onto its device. With several, every rank builds it on the meta
-device, shards it with FSDP2 and receives its shards from rank 0, the only rank that reads the files; rotary
-buffers, which no state dict carries, are then recomputed.
+device, shards it with FSDP2 and receives its shards from rank 0, the only rank that reads the files, then
+every buffer from rank 0 too (rotary frequencies, embedding scales: no state dict carries them all).
 """
 
 from __future__ import annotations
@@ -17,16 +17,18 @@ from torch import nn
 
 from kdsweep.config.schema import DistConfig, ModelSource, StudentConfig
 from kdsweep.distributed import DistEnv, fsdp, single_process
-from kdsweep.models import zoo
+from kdsweep import hub
+from kdsweep.models import targets, zoo
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def resolve_dir(src: ModelSource) -> Path:
-    """The HF directory of a model source; zoo models are built on first use."""
-    return Path(src.path) if src.path is not None else zoo.model_dir(src.zoo)
+def resolve_dir(src: ModelSource, section: str = "model") -> Path:
+    """The HF directory of a model source: a local directory, the cached snapshot of a hub id (read from the cache
+    only: the launching process filled it), or a zoo model, built on first use."""
+    return hub.model_dir(f"{section}.path", src.path) if src.path is not None else zoo.model_dir(src.zoo)
 
 
 def load_tokenizer(model_dir: Path):
@@ -80,7 +82,7 @@ def _build(
     fsdp.shard(model, cfg)
     model.to_empty(device="cpu" if cfg.cpu_offload else device)  # offloaded shards live on the host
     fsdp.load_from_rank0(model, source.state_dict() if source is not None else {})
-    fsdp.recompute_rotary(model)
+    fsdp.broadcast_buffers(model, source)
     return model
 
 
@@ -101,14 +103,17 @@ def _lora_wrapper(cfg: StudentConfig, seed: int) -> Callable[[nn.Module], nn.Mod
             return model.train()
         from peft import LoraConfig, get_peft_model
 
+        names = targets.resolve(model, cfg.target_modules)
         lora = LoraConfig(
             r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-            target_modules=list(cfg.target_modules), task_type="CAUSAL_LM",
+            target_modules=targets.peft_targets(model, names), task_type="CAUSAL_LM",
         )
         torch.manual_seed(seed)  # LoRA A matrices are random: same seed, same initial adapter
         with warnings.catch_warnings():
             # peft still asks transformers for a renamed attribute; the warning is not the user's to act on
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            # LoRA on a tied output layer: the merged export unties it (checkpoint.export), as peft advises
+            warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*", category=UserWarning)
             return get_peft_model(model, lora).train()
 
     return wrap
@@ -125,6 +130,10 @@ def load_student(
     total = sum(p.numel() for p in model.parameters())
     log.info("student: %d of %d parameters trainable on this rank (%s)", trainable, total,
              f"LoRA rank {cfg.lora_rank}" if cfg.lora_rank else "full fine-tune")
+    if cfg.lora_rank:
+        reached = targets.adapted(model)
+        log.info("LoRA reached %d modules (model.target_modules=%s): %s", len(reached),
+                 ",".join(cfg.target_modules), targets.describe(reached))
     return model
 
 

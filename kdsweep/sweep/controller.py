@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from kdsweep.metrics.records import JOB_STARTED
+from kdsweep.sweep.cost import cost_lines, sweep_cost
 from kdsweep.sweep.manifest import FINAL, STORAGE_ENV, Manifest, connect_url
 from kdsweep.sweep.space import Param
 from kdsweep.sweep.study import SweepSettings, make_pruner, make_sampler, make_storage
@@ -45,7 +47,7 @@ class LocalProcesses:
         self._procs: dict[int, subprocess.Popen] = {}
         # Concurrent trials share the machine's cores: without a cap each would start a thread per core, and
         # oversubscribed OpenMP threads spin against each other (seen here: 2-step trials taking 10x longer).
-        self._env = dict(os.environ)
+        self._env = {k: v for k, v in os.environ.items() if k != JOB_STARTED}  # each trial counts from its own start
         self._env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // max_concurrent)))
 
     def start(self, args: list[str], run_dir: Path) -> dict[str, Any]:
@@ -115,7 +117,7 @@ def _last_error_line(log_path: Path) -> str:
 
 class Controller:
     def __init__(self, settings: SweepSettings, space: list[Param], base_overrides: list[str], sweep_dir: Path,
-                 backend: Backend) -> None:
+                 backend: Backend, teacher_cache: bool = False) -> None:
         import optuna
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # the controller logs what happens to each trial
@@ -132,6 +134,8 @@ class Controller:
         )
         self.distributions = {p.key: p.distribution() for p in space}
         self.start_failures = 0
+        # teacher.logits=cache: one trial builds the cache (or finds it) before the others start (see _slots)
+        self.cache_ready, self._gate_logged = not teacher_cache, False
         if not self.manifest.trials:  # a new sweep: the given points go first
             for point in settings.enqueue:
                 self.study.enqueue_trial(dict(point))
@@ -210,6 +214,25 @@ class Controller:
         shown = f"{outcome.values}" if outcome.values else outcome.reason
         log.info("trial %d %s %s", number, outcome.state, shown)
 
+    def _slots(self, running: list[int]) -> int:
+        """How many trials may run now: ``max_concurrent``, or one until a trial's teacher cache is ready, so that
+        exactly one teacher pass runs however many trials wait for it (the trial that builds it, or finds it built,
+        writes ``teacher_targets.ready`` into its run.json once the cache is in place)."""
+        if not self.cache_ready:
+            for entry in self.manifest.trials.values():
+                record = Path(entry["run_dir"]) / "run.json"
+                if record.exists() and (json.loads(record.read_text()).get("teacher_targets") or {}).get("ready"):
+                    self.cache_ready = True
+                    log.info("teacher cache ready (trial %d): the other trials start and read it", entry["number"])
+                    break
+        if self.cache_ready:
+            return self.settings.max_concurrent
+        builder = [e["number"] for e in self.manifest.trials.values() if e["state"] == "RUNNING"]
+        if builder and not self._gate_logged:
+            self._gate_logged = True
+            log.info("teacher cache: trial %d builds it (or finds it built); the other trials wait for it", builder[0])
+        return 1
+
     # -- the loop ------------------------------------------------------------------------------------------
     def run(self) -> Manifest:
         for number, entry in sorted(self.manifest.trials.items(), key=lambda kv: int(kv[0])):
@@ -222,12 +245,16 @@ class Controller:
                 if code is not None:
                     self._finish(number, code)
             running = [int(n) for n, e in self.manifest.trials.items() if e["state"] == "RUNNING"]
-            while len(running) < self.settings.max_concurrent and len(self.manifest.trials) < self.settings.n_trials:
+            while len(running) < self._slots(running) and len(self.manifest.trials) < self.settings.n_trials:
                 self._ask_and_start()
                 running.append(-1)
             if not running:
                 break
             time.sleep(self.settings.poll_s)
+        self.manifest.data["cost"] = sweep_cost(self.manifest)
+        self.manifest.save()
+        for line in cost_lines(self.manifest.data["cost"]):
+            log.info(line)
         return self.manifest
 
 

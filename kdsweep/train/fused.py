@@ -1,81 +1,25 @@
 """``loss.impl=fused``: the KD loss from final hidden states, chunk by chunk, never holding B×T×V logits.
 
-Both models run their own forward, so FSDP's hooks and peft's wrappers run as usual, but each output layer's
-forward is swapped for the duration of the call: the teacher's returns its input (the final hidden states), the
-student's computes the whole loss instead of logits: each chunk of tokens is projected by the layer's real
-forward (a Linear, a peft LoRA Linear, inside its FSDP unit's unsharded context), scored by ``kd_loss_sums`` against
-the teacher's chunk and differentiated at once, so only one chunk's logits exist at a time and backward has
-nothing to recompute. The student's output layer runs once per step inside the root forward, which is
-where FSDP2 expects it (calling a sharded output layer again after the root forward crashed in backward). The
-teacher's output layer, frozen, is unsharded for the micro-batch (``frozen_projection``) and called directly.
+The student runs its own forward, so FSDP's hooks and peft's wrappers run as usual, but its output layer's forward
+is swapped for the duration of the call (:mod:`kdsweep.models.heads`): it computes the whole loss instead of
+logits: each chunk of tokens is projected by the layer's real forward (a Linear, a peft LoRA Linear, inside its FSDP
+unit's unsharded context), scored by ``kd_loss_sums`` against the teacher's targets for the same chunk (a live
+teacher's hidden states projected by its frozen output layer, or a cache's) and differentiated at once, so only one
+chunk's logits exist at a time and backward has nothing to recompute. The student's output layer runs once per step
+inside the root forward, which is where FSDP2 expects it (calling a sharded output layer again after the root forward
+crashed in backward).
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from kdsweep.losses import LossSums, kd_loss_sums, split_chunks
-
-
-def _causal_lm(model: nn.Module) -> nn.Module:
-    """The transformers *ForCausalLM inside a peft wrapper (or the model itself)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
-
-
-def output_layer(model: nn.Module) -> nn.Module:
-    """The model's output layer; refused when the model transforms its logits after it (the fused loss would
-    score untransformed logits)."""
-    from kdsweep.config.schema import ConfigError
-
-    config = getattr(_causal_lm(model), "config", None)
-    for name in LOGIT_TRANSFORMS:
-        if getattr(config, name, None) not in (None, 1, 1.0):
-            raise ConfigError(f"loss.impl=fused: {type(_causal_lm(model)).__name__} applies {name}="
-                              f"{getattr(config, name)} to its logits after the output layer; use loss.impl=chunked")
-    return _causal_lm(model).get_output_embeddings()
-
-
-def projection(layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The layer's own forward, without module hooks (its parameters must be unsharded when it runs)."""
-    return type(layer).forward.__get__(layer)
-
-
-@contextmanager
-def _forward_replaced(layer: nn.Module, fn: Callable[[torch.Tensor], Any]) -> Iterator[None]:
-    layer.forward = fn  # an instance attribute: nn.Module.__call__ (and FSDP's hooks around it) run it
-    try:
-        yield
-    finally:
-        del layer.forward
-
-
-def final_hidden(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-    """``[B, T, H]``: what the model's output layer receives (the decoder's last hidden state, after its norm)
-    from the forward on ``inputs`` (``input_ids`` and, for packed or padded rows, position ids or a mask)."""
-    with _forward_replaced(output_layer(model), lambda hidden: hidden):
-        return model(**inputs).logits
-
-
-@contextmanager
-def frozen_projection(model: nn.Module) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
-    """The model's output projection, for no-grad use on any chunk until the context ends (FSDP: unsharded till then)."""
-    layer = output_layer(model)
-    # FSDP: the layer's own unit, or (an output layer tied to the embeddings) the root's
-    owner = layer if hasattr(layer, "unshard") else model if hasattr(model, "unshard") else None
-    if owner is not None:
-        owner.unshard()
-    try:
-        yield projection(layer)
-    finally:
-        if owner is not None:
-            owner.reshard()
+from kdsweep.losses.targets import Targets
+from kdsweep.models.heads import forward_replaced, output_layer, projection
 
 
 class _LossWithGradient(torch.autograd.Function):
@@ -100,8 +44,7 @@ class _LossWithGradient(torch.autograd.Function):
 def fused_loss_sums(
     student: nn.Module,
     inputs: dict[str, torch.Tensor],
-    teacher_hidden: torch.Tensor,
-    teacher_head: Callable[[torch.Tensor], torch.Tensor],
+    targets: Targets,
     labels: torch.Tensor,
     *,
     kd_ratio: float,
@@ -109,23 +52,21 @@ def fused_loss_sums(
     **loss_kwargs: Any,
 ) -> tuple[LossSums, torch.Tensor]:
     """The sums of ``kd_loss_sums`` (same arguments in ``loss_kwargs``, detached) over ``num_chunks`` token chunks,
-    from the student's forward on ``inputs`` (as for :func:`final_hidden`) and the teacher's final hidden states ``[..., Ht]``; and the
+    from the student's forward on ``inputs`` (as for :func:`~kdsweep.models.heads.final_hidden`) and the teacher's
+    targets for the same tokens (a live teacher's final hidden states and projection, or a cache's); and the
     differentiable ``(1 - kd_ratio)·Σce + kd_ratio·Σkd`` (what ``LossSums.total`` gives) to call backward on."""
     layer = output_layer(student)
     student_head = projection(layer)
     y = labels.reshape(-1)
-    h_t = teacher_hidden.reshape(-1, teacher_hidden.shape[-1]).detach()
 
     def run(hidden: torch.Tensor, params: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         h_s = hidden.reshape(-1, hidden.shape[-1])
         stats = h_s.new_zeros(3, dtype=torch.float32)  # Σce, Σkd, Σkl
         grad_h, grad_p = [], [torch.zeros_like(p, dtype=torch.float32) for p in params]  # fp32 sums
-        for hs_c, ht_c, y_c in split_chunks(num_chunks, h_s, h_t, y):
+        for (hs_c, y_c), t_c in zip(split_chunks(num_chunks, h_s, y), targets.split(num_chunks)):
             with torch.enable_grad():
                 hs_c = hs_c.detach().requires_grad_()
-                with torch.no_grad():
-                    t_logits = teacher_head(ht_c)
-                sums = kd_loss_sums(student_head(hs_c), t_logits, y_c, num_chunks=1, **loss_kwargs)
+                sums = kd_loss_sums(student_head(hs_c), t_c, y_c, num_chunks=1, **loss_kwargs)
                 grads = torch.autograd.grad(sums.total(kd_ratio), [hs_c, *params], allow_unused=True)
             grad_h.append(grads[0])
             for acc, g in zip(grad_p, grads[1:]):
@@ -140,7 +81,7 @@ def fused_loss_sums(
         mixed, stats = _LossWithGradient.apply(hidden, run, *params)
         return torch.cat([mixed.reshape(1), stats])  # one tensor where the model returns its logits
 
-    with _forward_replaced(layer, loss_instead_of_logits):
+    with forward_replaced(layer, loss_instead_of_logits):
         out = student(**inputs).logits
     mixed, (ce, kd, kl) = out[0], out[1:].unbind()
     return LossSums(ce=ce, kd=kd, kl=kl, tokens=(y != loss_kwargs.get("ignore_index", -100)).sum()), mixed

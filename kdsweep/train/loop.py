@@ -12,15 +12,18 @@ import torch
 
 from kdsweep.checkpoint import export as exporting
 from kdsweep.checkpoint import steps as checkpoints
-from kdsweep.config.schema import ConfigError, DataConfig, DistConfig, RunConfig, StudentConfig
+from kdsweep.config.schema import ConfigError, DataConfig, DistConfig, RunConfig, StudentConfig, TeacherCacheConfig
 from kdsweep.data.dataset import data_key, load_data
 from kdsweep.data.rows import Rows
 from kdsweep.data.sampling import StepSampler
 from kdsweep.distributed import DistEnv, device_for, single_process
-from kdsweep.metrics.records import RunRecord
+from kdsweep.metrics.records import RunRecord, job_started
 from kdsweep.metrics.sinks import MetricLogger, open_sinks
+from kdsweep.metrics.cost import CostMeter
+from kdsweep.teacher.open import open_teacher
+from kdsweep.train.baseline import baseline, baseline_path
 from kdsweep.train.profile import step_profiler
-from kdsweep.models.load import load_student, load_teacher, load_tokenizer, resolve_dir, unsharded_on_rank0
+from kdsweep.models.load import load_student, load_tokenizer, resolve_dir, unsharded_on_rank0
 from kdsweep.train import schedule
 from kdsweep.train.step import Batch, EvalResult, evaluate, train_step
 
@@ -103,6 +106,12 @@ def _warn_idle_knobs(cfg: RunConfig, dist: DistEnv) -> None:
                 log.warning("model.%s has no effect with lora_rank=0 (full fine-tune)", knob)
         if cfg.checkpoint.export_adapter and not cfg.checkpoint.export_merged:
             log.warning("checkpoint.export_adapter: a full fine-tune has no adapter; set export_merged=true to export")
+    cache, default = cfg.teacher.cache, TeacherCacheConfig()
+    idle = {"live": ("method", "k", "temperature", "seed", "dir"), "full": ("k", "temperature", "seed"),
+            "topk": ("seed",), "sample": ()}["live" if cfg.teacher.logits == "live" else cache.method]
+    for knob in (k for k in idle if changed(cache, default, k)):
+        why = "teacher.logits=live" if cfg.teacher.logits == "live" else f"teacher.cache.method={cache.method}"
+        log.warning("teacher.cache.%s=%s has no effect with %s", knob, getattr(cache, knob), why)
     if cfg.data.eval_datasets and changed(cfg.data, DataConfig(), "eval_fraction"):
         log.warning("data.eval_fraction has no effect: data.eval_datasets are the held-out set")
 
@@ -117,6 +126,7 @@ def training_fingerprint(cfg: RunConfig, data_key: str) -> dict[str, Any]:
     """
     d = asdict(cfg)
     d["data"] = {"content": data_key, "batch_size": cfg.data.batch_size, "micro_batch_size": cfg.data.micro_batch_size}
+    d["teacher"]["cache"].pop("dir")  # where a cache lies, like where the data lies, does not change the weights
     for key in ("eval_every", "log_every", "threads", "device"):
         d["train"].pop(key)
     return {k: d[k] for k in ("model", "teacher", "data", "loss", "optim", "train")} | {
@@ -216,7 +226,7 @@ def _train(
     timings: dict[str, float] = {}
 
     t0 = time.perf_counter()
-    student_dir, teacher_dir = resolve_dir(cfg.model), resolve_dir(cfg.teacher)
+    student_dir, teacher_dir = resolve_dir(cfg.model), resolve_dir(cfg.teacher, "teacher")
     tokenizer = load_tokenizer(student_dir)
     d = cfg.data
     data = load_data(d, tokenizer, student_dir, cfg.loss.ignore_index)
@@ -233,9 +243,13 @@ def _train(
     t0 = time.perf_counter()
     _warn_idle_knobs(cfg, dist)
     dtype = cfg.train.dtype
-    teacher = load_teacher(teacher_dir, dtype, device, dist, cfg.dist)
+    teacher = open_teacher(cfg, teacher_dir, student_dir, data, dist, device)
+    if record is not None:  # the sweep controller starts the other trials once a cache is ready
+        record.update(teacher_targets=teacher.record)
+    timings["teacher_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
     student = load_student(student_dir, cfg.model, dtype, device, cfg.train.seed, dist, cfg.dist)
-    timings["models_s"] = time.perf_counter() - t0
+    timings["student_s"] = time.perf_counter() - t0
 
     torch.manual_seed(cfg.train.seed + dist.rank)  # dropout: each rank its own stream, as each has its own data
     o = cfg.optim
@@ -246,9 +260,11 @@ def _train(
     scheduler = schedule.build(optimizer, o, cfg.train.max_steps)
     eval_batches = eval_batches_of_rank(eval_rows, d.eval_batch_size, dist, device)
     evaluate_now = lambda: evaluate(
-        student, teacher, eval_batches, ignore_index=cfg.loss.ignore_index, dist=dist, num_chunks=cfg.loss.num_chunks,
-        fused=cfg.loss.impl == "fused",
+        student, teacher.eval, eval_batches, ignore_index=cfg.loss.ignore_index, dist=dist,
+        num_chunks=cfg.loss.num_chunks, fused=cfg.loss.impl == "fused",
     )
+    # the job's own start: its imports and tokenization hold the devices too
+    meter = CostMeter(dist, job_started(), teacher.tokens, (teacher.record.get("build") or {}).get("teacher_tokens", 0))
 
     ckpt_root = out / "checkpoints"
     if resume_from is not None:
@@ -257,7 +273,9 @@ def _train(
         start_step, eval_before = state["step"], EvalResult(**state["eval_before"])
         log.info("resumed from %s (step %d)", resume_from, start_step)
     else:
-        start_step, eval_before = 0, evaluate_now()
+        where = baseline_path(cfg, student_dir, teacher_dir, teacher.record, data.cache_dir.name, dist.world_size)
+        start_step, (eval_before, timings["baseline_reused"]) = 0, baseline(where, evaluate_now, dist)
+    step = start_step
     log.info(
         "held-out CE before: student %.4f, teacher %.4f (KL %.4f, %d tokens)",
         eval_before.student_ce, eval_before.teacher_ce, eval_before.kl, eval_before.tokens,
@@ -267,24 +285,27 @@ def _train(
     if start_step == 0:
         metrics.log("eval", 0, asdict(eval_before))
     if record is not None:
-        record.update(timings=timings, data=data_stats, resumed_from=str(resume_from) if resume_from else None, start_step=start_step,
+        record.update(models={"student": str(student_dir), "teacher": str(teacher_dir)},  # a hub id's snapshot
+                      timings=timings, data=data_stats, resumed_from=str(resume_from) if resume_from else None, start_step=start_step,
                       wandb=wandb_info)
 
-    status, step = "completed", start_step
+    status = "completed"
     from tqdm import tqdm
 
     bar = tqdm(
         total=cfg.train.max_steps, initial=start_step, desc="kd", disable=not (cfg.logger.progress_bar and dist.is_main)
     )
     profiler = step_profiler(cfg.profiler, out, device, dist.rank)
+    meter.start_loop()
     with profiler:
         while step < cfg.train.max_steps:
             t_step = time.perf_counter()
             shares = sampler.rank_micro_batches(step, dist.rank, dist.world_size, d.micro_batch_size)
             micro = [train_rows.batch(idx).to(device) for idx in shares]
             local_tokens = sum(int(train_rows.tokens[idx].sum()) for idx in shares)  # non-padding inputs
+            meter.step(local_tokens)
             stats = train_step(
-                student, teacher, micro, optimizer, scheduler,
+                student, teacher.train, micro, optimizer, scheduler,
                 loss_cfg=cfg.loss, max_grad_norm=o.max_grad_norm, dist=dist,
             )
             step += 1
@@ -317,6 +338,9 @@ def _train(
                      "fingerprint": training_fingerprint(cfg, data.cache_dir.name)},
                     dist, cfg.checkpoint.keep_last,
                 )
+                spent = meter.snapshot()
+                if record is not None:
+                    record.cost(spent)
             if pruned or preempted:
                 status = "pruned" if pruned else "preempted"
                 log.info("%s at step %d (checkpoint written)", status, step)
@@ -330,6 +354,9 @@ def _train(
         )
 
     eval_after = evaluate_now()
+    spent = meter.snapshot()
+    if record is not None:
+        record.cost(spent)
     metrics.log("eval", step, asdict(eval_after))
     if status == "completed":
         reporter.report(step, asdict(eval_after))

@@ -10,8 +10,11 @@ from torch import nn
 from kdsweep.config.schema import LossConfig
 from kdsweep.data.batch import Batch
 from kdsweep.distributed import DistEnv
-from kdsweep.losses import LossSums, align_vocab, cross_entropy_sum, forward_kl_sum, kd_loss_sums, split_chunks
-from kdsweep.train.fused import final_hidden, fused_loss_sums, frozen_projection
+from kdsweep.losses import LossSums, cross_entropy_sum, kd_loss_sums, log_probs, split_chunks
+from kdsweep.losses.targets import Targets
+from kdsweep.models.heads import final_hidden, frozen_projection
+from kdsweep.teacher.source import TeacherSource
+from kdsweep.train.fused import fused_loss_sums
 
 
 @dataclass(frozen=True)
@@ -28,48 +31,46 @@ class StepStats:
     lr: float
 
 
-def micro_batch_backward(student: nn.Module, teacher: nn.Module, batch: Batch, loss_cfg: LossConfig,
+def micro_batch_backward(student: nn.Module, teacher: TeacherSource, batch: Batch, loss_cfg: LossConfig,
                          scale: torch.Tensor) -> LossSums:
     """Forward and backward of one micro-batch's loss (its sums times ``scale``); returns the sums, detached.
 
-    ``loss.impl`` says how: from full logits (dense, chunked), or from the final hidden states through the output
-    layers chunk by chunk (fused: the B×T×V logits never exist)."""
+    The teacher's targets come from ``teacher`` (a live model or a cache: :mod:`kdsweep.teacher`). ``loss.impl``
+    says how the student's side is computed: from full logits (dense, chunked), or from the final hidden states
+    through the output layer chunk by chunk (fused: the B×T×V logits never exist)."""
     kw = {"divergence": loss_cfg.divergence, "beta": loss_cfg.beta, "temperature": loss_cfg.temperature,
           "ignore_index": loss_cfg.ignore_index}
-    if loss_cfg.impl == "fused":
-        with torch.no_grad():
-            teacher_hidden = final_hidden(teacher, batch.inputs())
-        with frozen_projection(teacher) as teacher_head:
-            sums, mixed = fused_loss_sums(student, batch.inputs(), teacher_hidden, teacher_head, batch.labels,
-                                          kd_ratio=loss_cfg.kd_ratio, num_chunks=loss_cfg.chunks, **kw)
-            (mixed * scale).backward()
-    else:
-        with torch.no_grad():
-            teacher_logits = teacher(**batch.inputs()).logits
-        sums = kd_loss_sums(student(**batch.inputs()).logits, teacher_logits, batch.labels, num_chunks=loss_cfg.chunks,
-                            **kw)
-        (sums.total(loss_cfg.kd_ratio) * scale).backward()
+    with teacher.targets(batch) as targets:
+        if loss_cfg.impl == "fused":
+            sums, mixed = fused_loss_sums(student, batch.inputs(), targets, batch.labels, kd_ratio=loss_cfg.kd_ratio,
+                                          num_chunks=loss_cfg.chunks, **kw)
+        else:
+            sums = kd_loss_sums(student(**batch.inputs()).logits, targets, batch.labels, num_chunks=loss_cfg.chunks,
+                                **kw)
+            mixed = sums.total(loss_cfg.kd_ratio)
+        (mixed * scale).backward()
     return LossSums(*(t.detach() for t in sums))
 
 
-def _eval_chunks(student: nn.Module, teacher: nn.Module, batch: Batch, num_chunks: int, fused: bool):
-    """(student logits, teacher logits, labels) of each token chunk, vocabularies aligned; with ``fused`` each
-    chunk is projected from the final hidden states on its own, so no B×T×V tensor exists."""
+def _eval_chunks(student: nn.Module, targets: Targets, batch: Batch, num_chunks: int, fused: bool):
+    """(student logits, teacher targets, labels) of each token chunk; with ``fused`` each student chunk is projected
+    from the final hidden states on its own, so no B×T×V tensor exists."""
     y = batch.labels.reshape(-1)
     if not fused:
-        s_logits, t_logits = align_vocab(student(**batch.inputs()).logits, teacher(**batch.inputs()).logits)
-        v = s_logits.shape[-1]
-        yield from split_chunks(num_chunks, s_logits.reshape(-1, v), t_logits.reshape(-1, v), y)
+        s_logits = student(**batch.inputs()).logits
+        for (s_c, y_c), t_c in zip(split_chunks(num_chunks, s_logits.reshape(-1, s_logits.shape[-1]), y),
+                                   targets.split(num_chunks)):
+            yield s_c, t_c, y_c
         return
-    h_s, h_t = final_hidden(student, batch.inputs()), final_hidden(teacher, batch.inputs())
-    with frozen_projection(student) as head_s, frozen_projection(teacher) as head_t:  # both frozen here
-        for hs_c, ht_c, y_c in split_chunks(num_chunks, h_s.reshape(-1, h_s.shape[-1]), h_t.reshape(-1, h_t.shape[-1]), y):
-            yield (*align_vocab(head_s(hs_c), head_t(ht_c)), y_c)
+    h_s = final_hidden(student, batch.inputs())
+    with frozen_projection(student) as head_s:  # frozen here
+        for (hs_c, y_c), t_c in zip(split_chunks(num_chunks, h_s.reshape(-1, h_s.shape[-1]), y), targets.split(num_chunks)):
+            yield head_s(hs_c), t_c, y_c
 
 
 def train_step(
     student: nn.Module,
-    teacher: nn.Module,
+    teacher: TeacherSource,
     micro_batches: list[Batch],
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
@@ -125,26 +126,30 @@ class EvalResult:
 
 @torch.no_grad()
 def evaluate(
-    student: nn.Module, teacher: nn.Module, batches: list[Batch], *, ignore_index: int, dist: DistEnv, num_chunks: int = 8,
-    fused: bool = False,
+    student: nn.Module, teacher: TeacherSource, batches: list[Batch], *, ignore_index: int, dist: DistEnv,
+    num_chunks: int = 8, fused: bool = False,
 ) -> EvalResult:
     """Student CE, KL(teacher‖student) and teacher CE on held-out batches; the student is left in train mode.
 
     Computed chunk by chunk with the training loss functions, so evaluation never holds more fp32 logits than
-    a training step does.
+    a training step does. The KL is at the targets' ``kl_temperature`` (1 for a live teacher or a full cache).
     """
     student.eval()
     sums = None  # Σ student ce, Σ kl, Σ teacher ce, tokens
     for batch in batches:
         if sums is None:
             sums = torch.zeros(4, dtype=torch.float64, device=batch.labels.device)
-        for s_c, t_c, y_c in _eval_chunks(student, teacher, batch, num_chunks, fused):
-            sums += torch.stack([
-                cross_entropy_sum(s_c, y_c, ignore_index),
-                forward_kl_sum(s_c, t_c, y_c, temperature=1.0, ignore_index=ignore_index),
-                cross_entropy_sum(t_c, y_c, ignore_index),
-                (y_c != ignore_index).sum().float(),
-            ]).double()
+        with teacher.targets(batch) as targets:
+            for s_c, t_c, y_c in _eval_chunks(student, targets, batch, num_chunks, fused):
+                vocab = min(s_c.shape[-1], t_c.vocab)
+                s_c = s_c[..., :vocab]
+                valid = y_c != ignore_index
+                sums += torch.stack([
+                    cross_entropy_sum(s_c, y_c, ignore_index),
+                    torch.where(valid, t_c.kl(log_probs(s_c, t_c.kl_temperature)), 0.0).sum(),
+                    t_c.teacher_ce(y_c, vocab, ignore_index).sum(),
+                    valid.sum().float(),
+                ]).double()
     student.train()
     dist.all_reduce_sum(sums)
     ce, kl, tce, n = sums.tolist()

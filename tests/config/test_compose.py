@@ -43,6 +43,44 @@ def test_experiment_composes_and_converts(experiment):
     assert cfg.model.path and cfg.teacher.path and cfg.train.dtype == "bf16"
 
 
+def test_the_pinned_pairs_users_ask_for_exist():
+    assert {"qwen2_5_7b_to_0_5b", "qwen3_8b_to_0_6b", "llama3_1_8b_to_3_2_1b", "gemma2_9b_to_2b"} <= set(EXPERIMENTS)
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_each_experiment_has_a_search_space_whose_every_corner_converts(experiment):
+    """``-m +experiment=E hparams_search=E``: the sweeper's space parses, and every corner of it is a valid job."""
+    from kdsweep.sweep.space import parse_space
+
+    with initialize_config_dir(config_dir=conf_dir(), version_base=None):
+        cfg = compose(config_name="config", overrides=[f"+experiment={experiment}", f"hparams_search={experiment}", *ONE],
+                      return_hydra_config=True)
+    params = OmegaConf.to_container(cfg.hydra.sweeper.params)
+    assert cfg.hydra.sweeper.study_name == experiment and {"kd_ratio", "lr", "lora_rank"} <= set(params)
+    space = parse_space(params)
+    for p in space:
+        for value in p.corners():
+            job = convert([f"+experiment={experiment}", f"hparams_search={experiment}", *ONE, f"{p.key}={value}"])
+            assert job.train.max_steps == 1000  # the experiment's training length, not the tiny search's
+
+
+@pytest.mark.parametrize("group", ["model", "teacher"])
+def test_real_model_presets_are_local_directories_or_hub_ids(group, monkeypatch):
+    """Without KDSWEEP_CKPTS a preset names its hub id (read from the Hugging Face cache); with it, a directory."""
+    from kdsweep.hub import HUB_ID
+
+    for option in sorted(p.stem for p in (Path(conf_dir()) / group).glob("*.yaml")):
+        if option == "tiny":
+            continue
+        monkeypatch.delenv("KDSWEEP_CKPTS", raising=False)
+        hub = getattr(convert([f"{group}={option}"]), group).path
+        assert HUB_ID.match(hub), (option, hub)
+        monkeypatch.setenv("KDSWEEP_CKPTS", "/ckpts")
+        assert getattr(convert([f"{group}={option}"]), group).path == "/ckpts/" + hub.split("/", 1)[1]
+        if group == "model":
+            assert convert([f"{group}={option}"]).model.target_modules == ("all-linear",)
+
+
 def test_sweep_knobs_reach_their_sections():
     cfg = convert(["kd_ratio=0.3", "lr=1e-4", "lora_rank=0"])
     assert (cfg.loss.kd_ratio, cfg.optim.lr, cfg.model.lora_rank) == (0.3, 1e-4, 0)

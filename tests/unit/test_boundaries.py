@@ -18,6 +18,10 @@ def imported_after(statement: str) -> set[str]:
     [
         ("kdsweep.config", {"torch", "hydra", "omegaconf"}),
         ("kdsweep.models.check", {"torch", "hydra", "omegaconf"}),
+        ("kdsweep.hub", {"torch", "hydra", "omegaconf", "huggingface_hub"}),
+        ("kdsweep.teacher.check", {"torch", "hydra", "omegaconf"}),
+        ("kdsweep.data.key", {"torch", "hydra", "omegaconf", "datasets"}),
+        ("kdsweep.sweep.cost", {"torch", "optuna"}),
         ("kdsweep.data.check", {"torch", "hydra", "omegaconf", "datasets", "pyarrow"}),
         ("kdsweep.app", {"torch", "transformers", "peft"}),
         ("kdsweep.train", {"hydra", "omegaconf", "submitit", "optuna"}),

@@ -52,8 +52,9 @@ class KdsweepOptunaSweeper(Sweeper):
         space = parse_space(params)
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
         backend = self._backend(settings)
-        self._validate_points(base, space, settings.enqueue, sweep_dir)
-        controller = Controller(settings, space, base, sweep_dir, backend)
+        first = self._validate_points(base, space, settings.enqueue, sweep_dir)
+        controller = Controller(settings, space, base, sweep_dir, backend,
+                                teacher_cache=first.teacher.logits == "cache")
         controller.manifest.data["command"] = [redact(a) for a in sys.argv[1:]]  # never a password on disk
         controller.manifest.save()
         log.info("sweep %s: study %s on %s, %d trials, %d at a time, sampler %s, pruner %s", sweep_dir,
@@ -81,16 +82,16 @@ class KdsweepOptunaSweeper(Sweeper):
             "(local processes; dist.nproc_per_node=N for ranks) or hydra/launcher=submitit_slurm"
         )
 
-    def _validate_points(self, base: list, space: list, enqueue: Any, sweep_dir: Path) -> None:
+    def _validate_points(self, base: list, space: list, enqueue: Any, sweep_dir: Path) -> Any:
         """Every corner of the space (both ends of each range, every choice) and every enqueued point must make a
-        valid job."""
+        valid job; returns the base point's RunConfig."""
         from kdsweep.app import validate_composed
 
         points = [[]] + [[f"{p.key}={v}"] for p in space for v in p.corners()]
         points += [[f"{k}={v}" for k, v in point.items()] for point in enqueue]
-        for extra in points:
-            cfg = self.hydra_context.config_loader.load_sweep_config(self.config, [*base, *extra])
-            validate_composed(cfg, str(sweep_dir / "validation"))
+        configs = [validate_composed(self.hydra_context.config_loader.load_sweep_config(self.config, [*base, *extra]),
+                                     str(sweep_dir / "validation")) for extra in points]
+        return configs[0]
 
 
 def _value_text(override: Any) -> str:

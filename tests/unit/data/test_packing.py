@@ -144,6 +144,7 @@ def test_packed_loss_and_gradients_equal_the_padded_ones(packed, impl):
     """The training step's own micro-batch backward (teacher and student forwards, KD + CE sums) on the packed
     rows, and on the same samples one per row, padded."""
     from kdsweep.config.schema import LossConfig
+    from kdsweep.teacher.live import LiveTeacher
     from kdsweep.train.step import micro_batch_backward
 
     samples, p = packed
@@ -152,7 +153,7 @@ def test_packed_loss_and_gradients_equal_the_padded_ones(packed, impl):
 
     def loss_and_grads(batch):
         student.zero_grad()
-        sums = micro_batch_backward(student, teacher, batch, cfg, torch.tensor(1.0))
+        sums = micro_batch_backward(student, LiveTeacher(teacher, fused=impl == "fused"), batch, cfg, torch.tensor(1.0))
         return sums, {n: q.grad.clone() for n, q in student.named_parameters()}
 
     packed_batch = packed_rows(p).batch(range(p.stats.sequences))

@@ -57,3 +57,51 @@ def test_sharded_build_matches_a_plain_model(tmp_path):
         ref = plain(input_ids=x).logits
     assert torch.allclose(got["sharded"], ref, atol=1e-5)
     assert torch.allclose(got["gathered"], ref, atol=1e-5)
+
+
+def _rank_archs(rank: int, root: str, init_file: str) -> None:
+    from helpers import ARCHS
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        env = detect()
+        x = torch.arange(24).reshape(2, 12) % 18 + 4
+        for arch in ARCHS:
+            model_dir = os.path.join(root, arch)
+            cfg = StudentConfig(path=model_dir, lora_rank=4, target_modules=("all-linear", "lm_head"))
+            built = {"teacher": load_teacher(model_dir, "fp32", torch.device("cpu"), env, DistConfig()),
+                     "student": load_student(model_dir, cfg, "fp32", torch.device("cpu"), 0, env, DistConfig())}
+            for role, model in built.items():
+                with torch.no_grad():
+                    logits = model(input_ids=x).logits
+                if rank == 0:
+                    buffers = {name: b.clone() for name, b in model.named_buffers()}
+                    torch.save({"buffers": buffers, "logits": logits}, os.path.join(root, f"{arch}-{role}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_architecture_builds_sharded_with_every_buffer_of_a_plain_load(tmp_path):
+    """Each model is created empty on every rank and filled from rank 0: buffers no state dict holds (rotary
+    frequencies, Gemma's embed_scale and its local/global rotary pairs) must come out as from_pretrained's."""
+    from helpers import ARCHS, save_arch
+    from transformers import AutoModelForCausalLM
+
+    tok = word_tokenizer()
+    for arch in ARCHS:
+        save_arch(tmp_path / arch, arch, tok)
+    mp.start_processes(_rank_archs, args=(str(tmp_path), tempfile.mktemp(dir=tmp_path)), nprocs=2, start_method="spawn")
+    x = torch.arange(24).reshape(2, 12) % 18 + 4
+    for arch in ARCHS:
+        cfg = StudentConfig(path=str(tmp_path / arch), lora_rank=4, target_modules=("all-linear", "lm_head"))
+        plain = {"teacher": AutoModelForCausalLM.from_pretrained(tmp_path / arch),
+                 "student": load_student(tmp_path / arch, cfg, "fp32", torch.device("cpu"), seed=0)}
+        for role, model in plain.items():
+            got = torch.load(tmp_path / f"{arch}-{role}.pt")
+            expected = dict(model.named_buffers())
+            assert sorted(got["buffers"]) == sorted(expected) and expected, (arch, role)
+            for name, buf in expected.items():
+                assert torch.equal(got["buffers"][name], buf), (arch, role, name)
+            with torch.no_grad():
+                assert torch.allclose(got["logits"], model(input_ids=x).logits, atol=1e-5), (arch, role)

@@ -5,7 +5,9 @@ import torch
 
 from helpers import tiny_llama
 from kdsweep.losses import kd_loss_sums
-from kdsweep.train.fused import final_hidden, frozen_projection, fused_loss_sums
+from kdsweep.losses.targets import Logits
+from kdsweep.models.heads import final_hidden, frozen_projection
+from kdsweep.train.fused import fused_loss_sums
 
 IGNORE = -100
 
@@ -48,8 +50,8 @@ def test_fused_equals_dense_in_value_and_gradients(lora, length, chunks, tol, di
     dense = kd_loss_sums(dense_model(input_ids=ids).logits, t_logits, labels, num_chunks=1, **kw)
     (dense.total(0.3) * 0.7).backward()
     with frozen_projection(teacher) as teacher_head:
-        fused, mixed = fused_loss_sums(fused_model, {"input_ids": ids}, t_hidden, teacher_head, labels, kd_ratio=0.3,
-                                       num_chunks=chunks, **kw)
+        fused, mixed = fused_loss_sums(fused_model, {"input_ids": ids}, Logits(hidden=t_hidden, head=teacher_head),
+                                       labels, kd_ratio=0.3, num_chunks=chunks, **kw)
         assert mixed.item() == pytest.approx(fused.total(0.3).item(), rel=1e-6)
         (mixed * 0.7).backward()  # backward scales the stored gradient by what flows in
 
@@ -73,7 +75,7 @@ def test_hidden_states_project_to_the_models_logits():
 
 def test_models_that_transform_their_logits_are_refused():
     from kdsweep.config import ConfigError
-    from kdsweep.train.fused import output_layer
+    from kdsweep.models.heads import output_layer
 
     model = tiny_llama(vocab=96, hidden=32, seed=5)
     model.config.final_logit_softcapping = 30.0  # as Gemma 2 does after its output layer

@@ -10,6 +10,7 @@ from kdsweep.config import LossConfig
 from kdsweep.data.batch import Batch
 from kdsweep.distributed import single_process
 from kdsweep.losses import kd_loss_sums
+from kdsweep.teacher.live import LiveTeacher
 from kdsweep.train.step import train_step
 
 IGNORE = -100
@@ -50,7 +51,7 @@ def run_split(student, teacher, micro: int, loss_cfg):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     x, y = batch()
     micro_batches = [Batch(a, b) for a, b in zip(x.split(micro), y.split(micro))]
-    stats = train_step(student, teacher, micro_batches, opt, sched, loss_cfg=loss_cfg, max_grad_norm=0.0, dist=single_process())
+    stats = train_step(student, LiveTeacher(teacher, fused=loss_cfg.impl == "fused"), micro_batches, opt, sched, loss_cfg=loss_cfg, max_grad_norm=0.0, dist=single_process())
     grads = [b - p.detach() for b, p in zip(before, params)]  # SGD with lr 1: the update is the gradient
     return grads, stats
 
@@ -98,7 +99,7 @@ def test_gradient_clipping_bounds_the_update():
     opt = torch.optim.SGD(params, lr=1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     x, y = batch()
-    stats = train_step(student, teacher, [Batch(x, y)], opt, sched, loss_cfg=LossConfig(kd_ratio=0.5), max_grad_norm=1e-3, dist=single_process())
+    stats = train_step(student, LiveTeacher(teacher), [Batch(x, y)], opt, sched, loss_cfg=LossConfig(kd_ratio=0.5), max_grad_norm=1e-3, dist=single_process())
     update_norm = torch.sqrt(sum(((b - p.detach()) ** 2).sum() for b, p in zip(before, params)))
     assert stats.grad_norm > 1e-3  # the unclipped norm is reported
     assert update_norm.item() == pytest.approx(1e-3, rel=1e-3)

@@ -1,0 +1,165 @@
+"""What the teacher gives the loss for N tokens: its logits, or what a teacher-logit cache kept of them.
+
+Three kinds, each split into token chunks by the same rule as the student's logits (:func:`split_chunks`):
+
+- :class:`Logits` — every logit (a live teacher, or ``teacher.cache.method=full``). **Exact**: every divergence,
+  at any temperature.
+- :class:`Samples` — k tokens drawn with replacement from the teacher's distribution at temperature T_c
+  (RS-KD, "Sparse Logit Sampling", Anshumann et al. 2025), plus the teacher's entropy H and the log-probability
+  of the gold label. With the empirical distribution p̂ (each draw weighs 1/k), forward KL is estimated as
+  KL ≈ −H − Σ_v p̂_v log q_v: since E[p̂] = p, the estimate and its gradient (q − p̂)/T with respect to the student
+  logits are **unbiased**. Only forward KL can be estimated this way (the others need the teacher's probability
+  wherever the student puts mass), and only at T = T_c (samples drawn at one temperature are not draws at another).
+- :class:`TopK` — the k most likely tokens with their log-probabilities at T_c and the rest of the mass as one
+  "tail" outcome. Every divergence is computed between the teacher's and the student's distributions
+  coarsened to these k + 1 outcomes: **exact when the tail holds no mass, otherwise biased low** (coarsening
+  never increases an f-divergence; all divergences here are f-divergences), and its gradient does not see how the
+  student spreads the tail's mass. Again only at T = T_c.
+
+Shapes: ``ids``/``logp`` ``[N, k]``; per-token values ``[N]``; log-probabilities fp32 (stored ones may be 16-bit and
+are upcast here). Nothing here synchronises with the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Callable, Union
+
+import torch
+import torch.nn.functional as F
+
+from kdsweep.losses.divergences import divergence_per_token, finite_teacher, forward_kl, log_probs, upcast
+
+SAMPLED_DIVERGENCES = ("forward_kl",)
+"""The divergences the ``sample`` method can estimate without bias."""
+
+
+def _split(n: int, num_chunks: int, *tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    """The token split of :func:`~kdsweep.losses.kd.split_chunks` (kept identical: one rule for every tensor)."""
+    pieces = [torch.tensor_split(t, min(num_chunks, max(n, 1)), dim=0) for t in tensors]
+    return list(zip(*pieces))
+
+
+@dataclass
+class Logits:
+    """Every teacher logit of N tokens: ``logits`` ``[N, Vt]``, or ``hidden`` ``[N, H]`` projected by ``head`` chunk by
+    chunk when a chunk is used (the fused loss: no ``[N, Vt]`` tensor ever exists)."""
+
+    logits: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+    head: Callable[[torch.Tensor], torch.Tensor] | None = None
+    kl_temperature: float = 1.0
+    """The temperature of the logged KL: 1, since logits give the distribution at any temperature."""
+    exact = True
+
+    def __post_init__(self) -> None:  # any leading shape: tokens are flattened, the last dimension kept
+        flat = lambda t: None if t is None else t.reshape(-1, t.shape[-1])
+        self.logits, self.hidden = flat(self.logits), flat(self.hidden)
+
+    def __len__(self) -> int:
+        return (self.logits if self.logits is not None else self.hidden).shape[0]
+
+    def split(self, num_chunks: int) -> list["Logits"]:
+        if self.logits is not None:
+            return [Logits(logits=c) for (c,) in _split(len(self), num_chunks, self.logits)]
+        return [Logits(hidden=c, head=self.head) for (c,) in _split(len(self), num_chunks, self.hidden)]
+
+    @property
+    def vocab(self) -> int:
+        """The teacher's vocabulary (its output rows, padding included)."""
+        return self.dense(None).shape[-1]
+
+    def dense(self, vocab: int | None) -> torch.Tensor:
+        """``[n, vocab]`` logits, the teacher's rows beyond ``vocab`` cut (a padded output layer)."""
+        if self.logits is None:
+            with torch.no_grad():
+                self.logits = self.head(self.hidden)
+        return self.logits if vocab is None else self.logits[..., :vocab]
+
+    def log_probs(self, vocab: int, temperature: float) -> torch.Tensor:
+        return finite_teacher(log_probs(self.dense(vocab), temperature))
+
+    def divergence(self, log_q: torch.Tensor, divergence: str, beta: float, temperature: float) -> torch.Tensor:
+        """``[n]`` D(teacher_T, student_T) from the student's log-probs at T ``[n, V]``."""
+        return divergence_per_token(divergence, log_q, self.log_probs(log_q.shape[-1], temperature), beta=beta)
+
+    def kl(self, log_q: torch.Tensor) -> torch.Tensor:
+        """``[n]`` KL(teacher ‖ student) at :attr:`kl_temperature` from the student's log-probs there."""
+        return forward_kl(log_q, self.log_probs(log_q.shape[-1], self.kl_temperature))
+
+    def teacher_ce(self, labels: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
+        """``[n]`` the teacher's cross-entropy on the gold labels at T = 1 (0 where ignored)."""
+        return F.cross_entropy(upcast(self.dense(vocab)), labels, ignore_index=ignore_index, reduction="none")
+
+
+@dataclass
+class _Sparse:
+    """Fields shared by the cached sparse kinds; ``temperature`` is T_c, the temperature they were taken at."""
+
+    ids: torch.Tensor
+    label_logp: torch.Tensor
+    """``[N]`` log p(gold label) at T = 1 (0 where there is no label), so the teacher's CE is exact."""
+    temperature: float
+    vocab: int
+    """The vocabulary the teacher's distribution was normalised over (the smaller of teacher's and student's)."""
+    exact = False
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    @property
+    def kl_temperature(self) -> float:
+        return self.temperature
+
+    def split(self, num_chunks: int) -> list["_Sparse"]:
+        names = [f.name for f in fields(self) if f.name not in ("temperature", "vocab")]
+        return [type(self)(**dict(zip(names, parts)), temperature=self.temperature, vocab=self.vocab)
+                for parts in _split(len(self), num_chunks, *(getattr(self, n) for n in names))]
+
+    def teacher_ce(self, labels: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
+        return torch.where(labels != ignore_index, -upcast(self.label_logp), 0.0)
+
+    def kl(self, log_q: torch.Tensor) -> torch.Tensor:
+        return self.divergence(log_q, "forward_kl", 0.0, self.temperature)
+
+
+@dataclass
+class Samples(_Sparse):
+    """k draws per token from the teacher at T_c: ``ids`` ``[N, k]``, ``entropy`` ``[N]`` (the teacher's, at T_c)."""
+
+    entropy: torch.Tensor = None  # type: ignore[assignment]
+
+    def divergence(self, log_q: torch.Tensor, divergence: str, beta: float, temperature: float) -> torch.Tensor:
+        """``[n]`` the unbiased estimate −H − (1/k) Σ_i log q(v_i) of KL(teacher ‖ student) at T = T_c."""
+        if divergence not in SAMPLED_DIVERGENCES:
+            raise ValueError(f"teacher.cache.method=sample estimates only forward_kl, not {divergence}")
+        if temperature != self.temperature:
+            raise ValueError(f"samples drawn at T={self.temperature} cannot train at T={temperature}")
+        cross = log_q.gather(-1, self.ids.long()).mean(-1)
+        return -upcast(self.entropy) - cross
+
+
+@dataclass
+class TopK(_Sparse):
+    """The k most likely tokens at T_c: ``ids`` ``[N, k]``, ``logp`` ``[N, k]``, and ``tail_logp`` ``[N]`` = log of the
+    mass of every other token."""
+
+    logp: torch.Tensor = None  # type: ignore[assignment]
+    tail_logp: torch.Tensor = None  # type: ignore[assignment]
+
+    def divergence(self, log_q: torch.Tensor, divergence: str, beta: float, temperature: float) -> torch.Tensor:
+        """``[n]`` D between teacher and student coarsened to the k listed tokens and one tail outcome."""
+        if temperature != self.temperature:
+            raise ValueError(f"top-k log-probs taken at T={self.temperature} cannot train at T={temperature}")
+        ids = self.ids.long()
+        top_q = log_q.gather(-1, ids)
+        # the student's tail: log Σ over every token not listed, computed from its own log-probs (no 1 − Σ cancel)
+        tail_q = log_q.scatter(-1, ids, float("-inf")).logsumexp(-1, keepdim=True)
+        coarse_q = torch.cat([top_q, tail_q], dim=-1)
+        coarse_p = torch.cat([upcast(self.logp), upcast(self.tail_logp).unsqueeze(-1)], dim=-1)
+        # renormalise what 16-bit storage rounded, and give an empty tail p = 0 exactly
+        coarse_p = finite_teacher(F.log_softmax(coarse_p, dim=-1))
+        return divergence_per_token(divergence, coarse_q, coarse_p, beta=beta)
+
+
+Targets = Union[Logits, Samples, TopK]

@@ -1,0 +1,36 @@
+"""What one attempt of a run costs, as ``run.json`` records it (``cost``, ``costs``; kdsweep.metrics.records)."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from kdsweep.distributed import DistEnv
+
+
+class CostMeter:
+    """Counts this rank's trained tokens; :meth:`snapshot` sums everything over ranks (a collective: every rank
+    calls it at the same step)."""
+
+    def __init__(self, dist: DistEnv, started: float, teacher_tokens: Callable[[], dict[str, int]],
+                 built_tokens: int = 0) -> None:
+        self.dist, self.started, self.teacher_tokens, self.built_tokens = dist, started, teacher_tokens, built_tokens
+        self.trained_tokens, self.steps, self.loop_started = 0, 0, time.time()
+
+    def start_loop(self) -> None:
+        self.loop_started = time.time()
+
+    def step(self, local_tokens: int) -> None:
+        self.trained_tokens += local_tokens
+        self.steps += 1
+
+    def snapshot(self) -> dict[str, float]:
+        """Steps, trained tokens, wall seconds from the job's start (× ranks: device-seconds), seconds of the step
+        loop, and the teacher positions computed (the cache build's too) and read from a cache, over all ranks."""
+        tokens = self.teacher_tokens()
+        trained, computed, read = (sum(self.dist.gather_floats(float(v))) for v in (
+            self.trained_tokens, tokens["teacher_tokens_computed"], tokens["teacher_tokens_read"]))
+        wall = time.time() - self.started
+        return {"steps": self.steps, "train_tokens": trained, "trial_seconds": wall,
+                "device_seconds": wall * self.dist.world_size, "loop_seconds": time.time() - self.loop_started,
+                "teacher_tokens_computed": computed + self.built_tokens, "teacher_tokens_read": read}

@@ -1,0 +1,78 @@
+"""What a sweep cost, from its trials' run.json: device-seconds, trained tokens, teacher tokens computed and read,
+and what pruning and the teacher-logit cache saved against running every trial to the end with a live teacher.
+
+Each trial's ``cost`` (kdsweep.metrics.records) counts its attempts: wall seconds from its job's start, device-seconds
+(wall × ranks), trained tokens, and the teacher positions a model computed (a live teacher's forwards, or the one
+cache build) or a cache supplied. The savings are estimates, and named so:
+
+- pruning: each pruned trial's missing steps at its own device-seconds per step (of its steps and evals);
+- the cache: every position read from it at the build's measured device-seconds per teacher position, plus one
+  teacher load (the build's measured load time × ranks) for every trial that did not load the teacher.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kdsweep.sweep.manifest import Manifest
+
+FIELDS = ("trial_seconds", "device_seconds", "train_tokens", "teacher_tokens_computed", "teacher_tokens_read")
+
+
+def _record(entry: dict[str, Any]) -> dict[str, Any]:
+    path = Path(entry["run_dir"]) / "run.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _build_stats(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The cache build's measured cost: the trial that built it, or the cache's own meta.json (an earlier sweep)."""
+    targets = [r.get("teacher_targets") or {} for r in records]
+    built = next((t["build"] for t in targets if t.get("build")), None)
+    if built is None:
+        cache = next((Path(t["dir"]) / "meta.json" for t in targets if t.get("dir")), None)
+        built = json.loads(cache.read_text()).get("built") if cache is not None and cache.exists() else None
+    return built
+
+
+def sweep_cost(manifest: Manifest) -> dict[str, Any]:
+    records = [(e, _record(e)) for e in manifest.trials.values()]
+    records = [(e, r) for e, r in records if r.get("cost")]
+    total = {k: sum(r["cost"].get(k, 0) for _, r in records) for k in FIELDS}
+    pruning = 0.0
+    for entry, r in records:
+        steps, max_steps = r["cost"].get("steps", 0), r["config"]["train"]["max_steps"]
+        if entry["state"] == "PRUNED" and steps:  # its own seconds per step (steps and evals), on all its ranks
+            per_step = r["cost"]["loop_seconds"] * r["cost"]["device_seconds"] / r["cost"]["trial_seconds"] / steps
+            pruning += (max_steps - r.get("steps", steps)) * per_step
+    build = _build_stats([r for _, r in records])
+    cache, readers = 0.0, sum(1 for _, r in records if (r.get("teacher_targets") or {}).get("source") == "cache"
+                              and not (r.get("teacher_targets") or {}).get("built"))
+    if build and build.get("teacher_tokens"):
+        per_token = build["device_seconds"] / build["teacher_tokens"]
+        cache = total["teacher_tokens_read"] * per_token + readers * build.get("teacher_load_s", 0.0) * build["ranks"]
+    live = total["device_seconds"] + pruning + cache
+    return {**total, "trials": len(records), "cache_builds": sum(1 for _, r in records
+                                                                 if (r.get("teacher_targets") or {}).get("built")),
+            "saved_by_pruning_device_seconds": pruning, "saved_by_cache_device_seconds": cache,
+            "live_no_pruning_device_seconds": live, "ratio": total["device_seconds"] / live if live else None}
+
+
+def cost_lines(cost: dict[str, Any]) -> list[str]:
+    """The sweep's cost for ``kdsweep status`` and the sweep's summary."""
+    if not cost["trials"]:
+        return ["cost: no trial has recorded its cost yet"]
+    lines = [
+        f"cost: {cost['trials']} trials, {cost['device_seconds']:.1f} device-s ({cost['trial_seconds']:.1f} trial-s), "
+        f"{int(cost['train_tokens'])} tokens trained; teacher: {int(cost['teacher_tokens_computed'])} tokens computed "
+        f"({cost['cache_builds']} cache build{'s' if cost['cache_builds'] != 1 else ''}), "
+        f"{int(cost['teacher_tokens_read'])} read from the cache",
+    ]
+    if cost["ratio"] is not None:
+        lines.append(
+            f"saved (estimates): pruning {cost['saved_by_pruning_device_seconds']:.1f} device-s, teacher cache "
+            f"{cost['saved_by_cache_device_seconds']:.1f} device-s; every trial to the end with a live teacher: about "
+            f"{cost['live_no_pruning_device_seconds']:.1f} device-s (this sweep: {cost['ratio']:.2f}x of it)"
+        )
+    return lines

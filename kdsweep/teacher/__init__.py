@@ -1,0 +1,7 @@
+"""Where the teacher's targets come from, behind one small protocol: a live model, or a teacher-logit cache.
+
+The training step and the evaluation ask a :class:`~kdsweep.teacher.source.TeacherSource` for the targets of each micro-batch
+(:mod:`kdsweep.losses.targets`) and never see a teacher module. :class:`~kdsweep.teacher.live.LiveTeacher` runs the
+frozen model; :class:`~kdsweep.teacher.cached.CachedTeacher` memory-maps what one teacher pass wrote beside the
+tokenization cache (:mod:`kdsweep.teacher.cache`), so a job that reads it never loads the teacher.
+"""

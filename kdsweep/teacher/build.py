@@ -1,0 +1,161 @@
+"""The teacher pass that writes a cache: every position of every row of both splits, once.
+
+Every rank of the job that builds it takes a contiguous share of the rows and runs the (sharded) teacher over them
+in batches; all ranks run the same number of forwards (FSDP's collectives need it), a rank with a shorter share
+padding with a batch it does not write. Sampling is seeded per row, so the cache does not depend on how many
+ranks built it, nor on how its rows were batched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any, BinaryIO, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kdsweep.config.schema import ConfigError
+from kdsweep.data.cache import built_once
+from kdsweep.data.rows import Rows
+from kdsweep.distributed import DistEnv
+from kdsweep.teacher.cache import CACHE_VERSION, SPLITS, Spec
+from kdsweep.teacher.check import size
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint16": torch.uint16,
+          "int32": torch.int32}
+
+
+def share(n: int, rank: int, world: int) -> tuple[int, int]:
+    """Rows ``[start, end)`` of rank ``rank``: contiguous, sizes differing by at most one."""
+    return n * rank // world, n * (rank + 1) // world
+
+
+def row_seed(seed: int, split: str, row: int) -> int:
+    """The seed of one row's draws: the same whichever rank draws it."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{split}:{row}".encode()).digest()[:7], "big")
+
+
+def row_targets(logits: torch.Tensor, labels: torch.Tensor, spec: Spec, ignore_index: int,
+                generator: torch.Generator | None) -> dict[str, torch.Tensor]:
+    """What the cache keeps of one row's positions: ``logits`` ``[L, Vt]``, ``labels`` ``[L]`` → field → ``[L, width]``."""
+    z = logits[:, : spec.vocab]
+    if spec.method == "full":
+        return {"logits": z.to(DTYPES[spec.dtype])}
+    z = z.float()
+    valid = labels != ignore_index
+    label_logp = F.log_softmax(z, dim=-1).gather(-1, torch.where(valid, labels, 0).unsqueeze(-1))
+    out = {"label_logp": torch.where(valid.unsqueeze(-1), label_logp, 0.0)}
+    logp = F.log_softmax(z / spec.temperature, dim=-1)
+    if spec.method == "sample":
+        p = logp.exp()
+        ids = torch.multinomial(p, spec.k, replacement=True, generator=generator)
+        entropy = -torch.where(p > 0, p * logp, 0.0).sum(-1, keepdim=True)
+        return {"ids": ids.to(DTYPES[spec.id_dtype]), "entropy": entropy, **out}
+    values, ids = logp.topk(spec.k, dim=-1)
+    tail = logp.scatter(-1, ids, float("-inf")).logsumexp(-1, keepdim=True)
+    return {"ids": ids.to(DTYPES[spec.id_dtype]), "logp": values.to(torch.float16), "tail_logp": tail, **out}
+
+
+def _write(f: BinaryIO, t: torch.Tensor) -> None:
+    f.write(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+
+
+@torch.no_grad()
+def write_split(teacher: nn.Module, rows: Rows, split: str, spec: Spec, out: Path, dist: DistEnv,
+                device: torch.device, batch_rows: int, ignore_index: int) -> int:
+    """Write this rank's share of ``split``; returns the teacher tokens (positions) computed."""
+    start, end = share(len(rows), dist.rank, dist.world_size)
+    longest = -(-len(rows) // dist.world_size)
+    files = {name: open(out / f"{split}.{name}.{dist.rank}", "wb") for name in spec.fields()}
+    generator = torch.Generator(device=device) if spec.method == "sample" else None
+    computed = 0
+    try:
+        for first in range(0, max(longest, 1), batch_rows):
+            idx = list(range(start + first, min(start + first + batch_rows, end)))
+            batch = rows.batch(idx or [0]).to(device)  # an empty share still runs the forward, writes nothing
+            logits = teacher(**batch.inputs()).logits
+            computed += batch.input_ids.numel()
+            for r, row in enumerate(idx):
+                length = int(rows.offsets[row + 1] - rows.offsets[row])
+                if generator is not None:
+                    generator.manual_seed(row_seed(spec.seed, split, row))
+                fields = row_targets(logits[r, :length], batch.labels[r, :length], spec, ignore_index, generator)
+                for name, values in fields.items():
+                    _write(files[name], values)
+    finally:
+        for f in files.values():
+            f.close()
+    return computed
+
+
+def parts(rows: Rows, world: int) -> list[dict[str, int]]:
+    """Where each rank's part lies among the split's positions."""
+    out = []
+    for rank in range(world):
+        start, end = share(len(rows), rank, world)
+        out.append({"rank": rank, "start": int(rows.offsets[start]), "count": int(rows.offsets[end] - rows.offsets[start])})
+    return out
+
+
+def check_space(root: Path, positions: int, spec: Spec) -> None:
+    """One line when the cache would not fit where it is to be written (checked before the teacher loads)."""
+    need = positions * spec.bytes_per_position()
+    free = shutil.disk_usage(root).free
+    if need > free:
+        raise ConfigError(
+            f"teacher.cache: {spec.describe()} for {positions} positions needs {size(need)} but "
+            f"{root} has {size(free)} free; use teacher.cache.method=sample or topk with a smaller "
+            "teacher.cache.k, or point teacher.cache.dir at a bigger disk"
+        )
+
+
+def ensure(root: Path, key: str, spec: Spec, splits: dict[str, Rows], load: Callable[[], nn.Module], dist: DistEnv,
+           device: torch.device, batch_rows: int, ignore_index: int, info: dict[str, Any]) -> tuple[Path, dict[str, Any] | None]:
+    """The cache ``root/key``, built first by this job's ranks when it does not exist (every rank calls this).
+
+    Returns (its directory, the build's stats, or None when it was already there). ``load`` builds the teacher
+    (a collective when sharded); it is called only when the cache must be built, and dropped after.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    if not (root / key).is_dir():
+        check_space(root, sum(len(rows.input_ids) for rows in splits.values()), spec)
+    stats: dict[str, Any] | None = None
+
+    def build(tmp: Path) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        teacher = load()
+        loaded = time.perf_counter() - t0
+        computed = sum(write_split(teacher, splits[s], s, spec, tmp, dist, device, batch_rows, ignore_index)
+                       for s in SPLITS)
+        del teacher
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        computed = int(sum(dist.gather_floats(float(computed))))
+        dist.barrier()  # every rank's parts are complete
+        seconds = time.perf_counter() - t0
+        return {"seconds": seconds, "teacher_load_s": loaded, "ranks": dist.world_size, "device": device.type,
+                "teacher_tokens": computed, "device_seconds": seconds * dist.world_size}
+
+    if dist.is_main:
+        with built_once(root, key) as (final, tmp):
+            dist.broadcast_object(str(tmp) if tmp is not None else "")
+            if tmp is not None:
+                stats = build(tmp)
+                meta = {"version": CACHE_VERSION, "spec": spec.__dict__, **info, "built": stats,
+                        "splits": {s: {"positions": len(splits[s].input_ids), "rows": len(splits[s]),
+                                       "parts": parts(splits[s], dist.world_size)} for s in SPLITS}}
+                (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    else:
+        tmp = dist.broadcast_object(None)
+        if tmp:
+            stats = build(Path(tmp))
+    dist.barrier()  # renamed into place before anyone reads it
+    return root / key, dist.broadcast_object(stats)

@@ -1,0 +1,112 @@
+"""The teacher-logit cache on disk: what one teacher pass keeps of every position of the tokenized rows.
+
+Layout of ``<teacher.cache.dir or $KDSWEEP_CACHE/teacher>/<key>/``:
+
+- ``meta.json``: the method, k, temperature, seed, vocabulary and dtype, each split's positions and parts, and what
+  the build cost (seconds, ranks, device, teacher tokens);
+- per split (``train``, ``eval``) and field, one raw file per building rank (``train.ids.0``, ``train.ids.1``, ...):
+  rank r wrote the positions of a contiguous share of the rows, so a row never straddles two parts. Positions are
+  those of the tokenization cache's flat rows (row i is ``offsets[i]:offsets[i+1]``), so every job that reads the
+  rows reads the matching targets. Files are memory-mapped: the pages of a trial's rows are read when used and
+  shared by every process on the machine.
+
+Fields per position (``k`` = ``teacher.cache.k``; ids in uint16 up to a 65,536-token vocabulary, else int32):
+
+=========  ===============================================================================================
+full       ``logits`` [V] in the teacher's dtype (exact)
+sample     ``ids`` [k] draws from softmax(logits / T_c); ``entropy`` [1] fp32 at T_c; ``label_logp`` [1] fp32
+topk       ``ids`` [k], ``logp`` [k] fp16 log-probabilities at T_c; ``tail_logp`` [1] fp32; ``label_logp`` [1]
+=========  ===============================================================================================
+
+The key hashes the teacher's weights and config (their content, memoized by size and mtime, so moving the
+directory keeps the key and editing a weight changes it), the tokenization cache's key, the method, k, the
+temperature, the seed, the vocabulary and the teacher's compute dtype. The cache is built once, under the same lock
+and atomic rename as the tokenization cache (:func:`kdsweep.data.cache.built_once`): a killed build leaves only a
+temp directory, which nothing reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kdsweep.config.schema import RunConfig
+from kdsweep.data.cache import kdsweep_cache
+
+CACHE_VERSION = 1
+SPLITS = ("train", "eval")
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "uint16": 2, "int32": 4}
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What a cache holds; every field is part of its key."""
+
+    method: str
+    k: int
+    temperature: float
+    """T_c: the temperature of sample's draws and topk's log-probabilities (unused by full, which keeps logits)."""
+    seed: int
+    vocab: int
+    """The vocabulary the teacher's distribution is taken over: the smaller of teacher's and student's."""
+    dtype: str
+    """The teacher's logits dtype (full stores it as is): float32 or bfloat16."""
+
+    @classmethod
+    def of(cls, cfg: RunConfig, vocab: int) -> "Spec":
+        c = cfg.teacher.cache
+        full = c.method == "full"
+        bf16 = cfg.train.dtype == "bf16" or cfg.dist.mixed_precision
+        return cls(method=c.method, k=0 if full else c.k, temperature=1.0 if full else cfg.cache_temperature,
+                   seed=c.seed if c.method == "sample" else 0, vocab=vocab, dtype="bfloat16" if bf16 else "float32")
+
+    @property
+    def id_dtype(self) -> str:
+        return "uint16" if self.vocab <= 65536 else "int32"
+
+    def fields(self) -> dict[str, tuple[str, int]]:
+        """field → (dtype, values per position)."""
+        if self.method == "full":
+            return {"logits": (self.dtype, self.vocab)}
+        if self.method == "sample":
+            return {"ids": (self.id_dtype, self.k), "entropy": ("float32", 1), "label_logp": ("float32", 1)}
+        return {"ids": (self.id_dtype, self.k), "logp": ("float16", self.k), "tail_logp": ("float32", 1),
+                "label_logp": ("float32", 1)}
+
+    def bytes_per_position(self) -> int:
+        return sum(_BYTES[dtype] * width for dtype, width in self.fields().values())
+
+    def describe(self) -> str:
+        if self.method == "full":
+            return f"full logits ({self.vocab} per position, {self.dtype})"
+        what = "draws" if self.method == "sample" else "top tokens + tail"
+        return f"{self.method} (k={self.k} {what} at T={self.temperature:g}, {self.bytes_per_position()} bytes per position)"
+
+
+def cache_root(cfg: RunConfig) -> Path:
+    return Path(cfg.teacher.cache.dir) if cfg.teacher.cache.dir else kdsweep_cache() / "teacher"
+
+
+def teacher_hash(teacher_dir: Path, memo_dir: Path) -> str:
+    """The content of the teacher's directory (weights, config, tokenizer), memoized by (path, size, mtime)."""
+    from kdsweep.data.sources import content_hash
+
+    return content_hash(str(teacher_dir), memo_dir)
+
+
+def cache_key(spec: Spec, teacher_digest: str, data_key: str) -> str:
+    parts = [CACHE_VERSION, asdict(spec), teacher_digest, data_key]
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def cache_dir(cfg: RunConfig, spec: Spec, teacher_dir: Path, data_key: str) -> Path:
+    """Where the cache of this teacher, these rows and this spec lives (built or not)."""
+    root = cache_root(cfg)
+    return root / cache_key(spec, teacher_hash(teacher_dir, root / "hashes"), data_key)
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    return json.loads((path / "meta.json").read_text())

@@ -1,0 +1,80 @@
+"""Targets read from a teacher-logit cache (``teacher.logits=cache``): the teacher is never loaded."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from kdsweep.data.batch import Batch
+from kdsweep.data.rows import Rows
+from kdsweep.losses.targets import Logits, Samples, Targets, TopK
+from kdsweep.teacher.build import DTYPES
+from kdsweep.teacher.cache import Spec, read_meta
+
+
+class CachedSplit:
+    """One split of a cache, memory-mapped: the targets of any rows of the tokenization cache's split."""
+
+    def __init__(self, path: Path, split: str, rows: Rows) -> None:
+        meta = read_meta(path)
+        self.spec = Spec(**meta["spec"])
+        info = meta["splits"][split]
+        if info["positions"] != len(rows.input_ids):
+            raise ValueError(f"the teacher cache {path} holds {info['positions']} {split} positions, the rows "
+                             f"{len(rows.input_ids)}: it was built for other rows")
+        self.rows, self.parts = rows, info["parts"]
+        self.maps: dict[str, list[torch.Tensor]] = {}
+        for name, (dtype, width) in self.spec.fields().items():
+            self.maps[name] = [
+                torch.from_file(str(path / f"{split}.{name}.{p['rank']}"), shared=False, size=p["count"] * width,
+                                dtype=DTYPES[dtype]).view(p["count"], width)
+                for p in self.parts
+            ]
+
+    def _locate(self, position: int) -> int:
+        return max(i for i, p in enumerate(self.parts) if p["start"] <= position)
+
+    def gather(self, row_ids: torch.Tensor, length: int) -> dict[str, torch.Tensor]:
+        """field → ``[B, length, width]``: each row's positions, zero past its end (padding, never a label)."""
+        out = {}
+        for name, (dtype, width) in self.spec.fields().items():
+            buf = torch.zeros(len(row_ids), length, width, dtype=DTYPES[dtype])
+            for b, row in enumerate(row_ids.tolist()):
+                a, e = int(self.rows.offsets[row]), int(self.rows.offsets[row + 1])
+                part = self._locate(a)
+                start = self.parts[part]["start"]
+                buf[b, : e - a] = self.maps[name][part][a - start : e - start]
+            out[name] = buf
+        return out
+
+
+class CachedTeacher:
+    """The teacher's targets for the rows of one split, from its cache (a :class:`~kdsweep.teacher.TeacherSource`)."""
+
+    def __init__(self, split: CachedSplit, device: torch.device) -> None:
+        self.split, self.device = split, device
+        self.tokens_computed, self.tokens_read = 0, 0
+
+    @contextmanager
+    def targets(self, batch: Batch) -> Iterator[Targets]:
+        if batch.rows is None:
+            raise ValueError("a cached teacher needs batches made by Rows.batch (they carry their row indices)")
+        length = batch.input_ids.shape[1]
+        self.tokens_read += batch.input_ids.numel()
+        raw = self.split.gather(batch.rows, length)
+        if "ids" in raw:
+            raw["ids"] = raw["ids"].to(torch.int64)  # uint16 on disk: widened here, where every device can
+        fields = {k: v.to(self.device, non_blocking=True).reshape(-1, v.shape[-1]) for k, v in raw.items()}
+        spec = self.split.spec
+        if spec.method == "full":
+            yield Logits(logits=fields["logits"])
+            return
+        common = {"ids": fields["ids"], "label_logp": fields["label_logp"].squeeze(-1),
+                  "temperature": spec.temperature, "vocab": spec.vocab}
+        if spec.method == "sample":
+            yield Samples(**common, entropy=fields["entropy"].squeeze(-1))
+        else:
+            yield TopK(**common, logp=fields["logp"], tail_logp=fields["tail_logp"].squeeze(-1))

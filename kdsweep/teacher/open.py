@@ -1,0 +1,79 @@
+"""The job's teacher: a live model, or a teacher-logit cache (built first by this job's ranks if nobody has yet)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kdsweep.config.schema import RunConfig
+from kdsweep.data.dataset import RunData
+from kdsweep.distributed import DistEnv
+from kdsweep.teacher.source import TeacherSource
+from kdsweep.teacher.build import ensure
+from kdsweep.teacher.cache import Spec, cache_key, cache_root, teacher_hash
+from kdsweep.teacher.cached import CachedSplit, CachedTeacher
+from kdsweep.teacher.live import LiveTeacher
+
+log = logging.getLogger(__name__)
+
+SEMANTICS = {
+    "full": ("exact", "exact (T=1)"),
+    "sample": ("exact", "unbiased estimate from {k} draws at T={t:g}"),
+    "topk": ("exact", "lower bound: the top {k} tokens and one tail outcome, at T={t:g}"),
+}
+"""What the held-out teacher numbers are, per cache method: (teacher CE, KL to the teacher)."""
+
+
+@dataclass
+class Teacher:
+    """Where the train and eval targets come from, and what run.json says about them."""
+
+    train: TeacherSource
+    eval: TeacherSource
+    record: dict[str, Any]
+
+    def tokens(self) -> dict[str, int]:
+        """Teacher tokens (positions) computed by a model and read from a cache, by this rank so far."""
+        sources = {id(s): s for s in (self.train, self.eval)}.values()
+        return {"teacher_tokens_computed": sum(s.tokens_computed for s in sources),
+                "teacher_tokens_read": sum(s.tokens_read for s in sources)}
+
+
+def vocab_size(model_dir: Path) -> int:
+    from transformers import AutoConfig
+
+    return int(AutoConfig.from_pretrained(model_dir).get_text_config().vocab_size)
+
+
+def open_teacher(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: RunData, dist: DistEnv,
+                 device: torch.device) -> Teacher:
+    from kdsweep.models.load import load_teacher
+
+    load = lambda: load_teacher(teacher_dir, cfg.train.dtype, device, dist, cfg.dist)
+    if cfg.teacher.logits == "live":
+        live = LiveTeacher(load(), fused=cfg.loss.impl == "fused")
+        return Teacher(live, live, {"source": "live", "teacher_ce": "exact", "kl": "exact (T=1)"})
+
+    spec = Spec.of(cfg, min(vocab_size(teacher_dir), vocab_size(student_dir)))
+    root = cache_root(cfg)
+    digest = dist.broadcast_object(teacher_hash(teacher_dir, root / "hashes") if dist.is_main else None)
+    key = cache_key(spec, digest, data.cache_dir.name)
+    info = {"teacher": str(teacher_dir), "teacher_hash": digest, "data_key": data.cache_dir.name}
+    path, built = ensure(root, key, spec, {"train": data.train, "eval": data.eval}, load, dist, device,
+                         cfg.data.micro_batch_size, cfg.loss.ignore_index, info)
+    if built is not None:
+        log.info("teacher cache: built %s in %s in %.1f s (%d teacher tokens, %d ranks); the teacher is unloaded",
+                 spec.describe(), path, built["seconds"], built["teacher_tokens"], built["ranks"])
+    else:
+        log.info("teacher cache: reused %s in %s (the teacher is not loaded)", spec.describe(), path)
+    ce, kl = SEMANTICS[spec.method]
+    record = {"source": "cache", "method": spec.method, "k": spec.k, "temperature": spec.temperature,
+              "bytes_per_position": spec.bytes_per_position(), "dir": str(path), "built": built is not None,
+              "build": built, "ready": True, "teacher_ce": ce, "kl": kl.format(k=spec.k, t=spec.temperature),
+              "kl_temperature": 1.0 if spec.method == "full" else spec.temperature}
+    return Teacher(CachedTeacher(CachedSplit(path, "train", data.train), device),
+                   CachedTeacher(CachedSplit(path, "eval", data.eval), device), record)

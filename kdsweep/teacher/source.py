@@ -1,0 +1,24 @@
+"""The protocol every teacher source implements (the step and the evaluation depend on this, nothing else)."""
+
+from __future__ import annotations
+
+from typing import ContextManager, Protocol
+
+from kdsweep.data.batch import Batch
+from kdsweep.losses.targets import Targets
+
+
+class TeacherSource(Protocol):
+    """The teacher's targets for the tokens of a micro-batch, and what they cost."""
+
+    tokens_computed: int
+    """Token positions the teacher model ran over (0 for a cache)."""
+    tokens_read: int
+    """Token positions whose targets were read from a cache (0 for a live teacher)."""
+
+    def targets(self, batch: Batch) -> ContextManager[Targets]:
+        """The targets of ``batch``'s tokens (flattened ``[B·T]``), valid until the context ends."""
+        ...
+
+
+__all__ = ["TeacherSource"]

@@ -1,0 +1,55 @@
+"""The held-out evaluation before training, computed once per sweep and reused by every trial it is the same for.
+
+Before its first step a LoRA student is its base model (peft initialises B = 0) and a fully fine-tuned one is the
+base model too, so every trial of a sweep with the same student, data, teacher targets, precision and ranks starts
+from the same numbers, whatever its kd_ratio, learning rate or LoRA rank. The first trial that computes them
+writes them into the sweep directory (``baselines/<key>.json``, atomically); the others read them. Plain runs
+(not a sweep's trials) always evaluate.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable
+
+from kdsweep.config.schema import RunConfig
+from kdsweep.data.key import cache_root as data_cache_root
+from kdsweep.data.sources import content_hash
+from kdsweep.distributed import DistEnv
+from kdsweep.metrics.records import write_json_atomic
+from kdsweep.teacher.cache import cache_root, teacher_hash
+from kdsweep.train.step import EvalResult
+
+log = logging.getLogger(__name__)
+
+
+def baseline_path(cfg: RunConfig, student_dir: Path, teacher_dir: Path, teacher_record: dict[str, Any], data_key: str,
+                  world_size: int) -> Path | None:
+    """Where this trial's baseline is kept in its sweep; None for a run that is not a sweep's trial. The teacher
+    counts by its cache (which names its weights) or by its weights' content."""
+    if not cfg.trial.sweep_dir:
+        return None
+    memo = data_cache_root(cfg.data) / "hashes"
+    teacher_identity = (Path(teacher_record["dir"]).name if "dir" in teacher_record
+                        else teacher_hash(teacher_dir, cache_root(cfg) / "hashes"))
+    parts = [1, content_hash(str(student_dir), memo), teacher_identity, data_key, cfg.train.dtype,
+             cfg.dist.mixed_precision, cfg.data.max_eval_sequences, cfg.loss.ignore_index, cfg.loss.impl, world_size]
+    key = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:20]
+    return Path(cfg.trial.sweep_dir) / "baselines" / f"{key}.json"
+
+
+def baseline(path: Path | None, evaluate: Callable[[], EvalResult], dist: DistEnv) -> tuple[EvalResult, bool]:
+    """(the evaluation before training, whether it was read from the sweep rather than computed)."""
+    saved = dist.broadcast_object(json.loads(path.read_text()) if dist.is_main and path and path.is_file() else None)
+    if saved is not None:
+        log.info("held-out CE before: reused the sweep's baseline %s (same student, data and teacher)", path)
+        return EvalResult(**saved), True
+    result = evaluate()
+    if path is not None and dist.is_main:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, asdict(result))
+    return result, False
