@@ -67,12 +67,15 @@ def device_seconds(rows: list[dict[str, Any]], until: float, ranks: int) -> floa
                        for r in rows)
 
 
-def summarize(rows: list[dict[str, Any]], wall_s: float, target: float | None, ranks: int = 1) -> dict[str, Any]:
+def summarize(rows: list[dict[str, Any]], wall_s: float, target: float | None, ranks: int = 1,
+              tolerance: float = 0.0) -> dict[str, Any]:
     """Arm metrics from its trial rows (times relative to the arm's start)."""
     done = [r for r in rows if r["state"] == "COMPLETE"]
     best = min(done, key=lambda r: (r["objective"], r["ended"])) if done else None
     reached = [r["ended"] for r in done if target is not None and r["objective"] <= target]
+    near = [r["ended"] for r in done if target is not None and r["objective"] <= target * (1 + tolerance)]
     return {
+        "device_s_to_near_batch_best": round(device_seconds(rows, min(near), ranks), 2) if near else None,
         "wall_s": round(wall_s, 2),
         "trial_seconds": round(sum(r["ended"] - r["started"] for r in rows if r["ended"] is not None), 2),
         "device_seconds": round(device_seconds(rows, wall_s, ranks), 2),
@@ -180,6 +183,9 @@ def main() -> None:
                         help="a Hydra override for every trial of both arms (repeat it), e.g. train.max_steps=10")
     parser.add_argument("--cache", action="store_true",
                         help="the async arm reads a teacher-logit cache its first trial builds (the batch arm: live)")
+    parser.add_argument("--cache-method", default="sample", choices=("full", "sample", "topk"))
+    parser.add_argument("--tolerance", type=float, default=0.001,
+                        help="also report when an arm first gets within this relative distance of the batch best")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "sweep_async.json"))
     parser.add_argument("--keep", default=None, help="keep the arms' run directories here (default: a temp dir)")
     args = parser.parse_args()
@@ -188,7 +194,8 @@ def main() -> None:
     work = Path(args.keep or tempfile.mkdtemp(prefix="sweep_async-")).resolve()
     try:
         print(f"async arm: kdsweep -m hparams_search={SEARCH}, {n} trials, {c} at a time, seed {seed}", flush=True)
-        cache = ["teacher.logits=cache", "teacher.cache.method=sample", f"teacher.cache.dir={work / 'teacher_cache'}"]
+        cache = ["teacher.logits=cache", f"teacher.cache.method={args.cache_method}",
+                 f"teacher.cache.dir={work / 'teacher_cache'}"]
         async_rows, async_wall, async_space = run_async(work, n, c, seed, [*args.extra, *(cache if args.cache else [])])
         print(f"batch arm: batches of {c}, no pruning", flush=True)
         batch_rows, batch_wall, batch_space = run_batch(work, n, c, seed, args.extra)
@@ -201,8 +208,8 @@ def main() -> None:
     ranks = next((int(e.split("=")[1]) for e in args.extra if e.startswith("dist.nproc_per_node=")), 1)
     batch = summarize(batch_rows, batch_wall, None, ranks)
     target = batch["best_objective"]
-    batch = summarize(batch_rows, batch_wall, target, ranks)
-    async_ = summarize(async_rows, async_wall, target, ranks)
+    batch = summarize(batch_rows, batch_wall, target, ranks, args.tolerance)
+    async_ = summarize(async_rows, async_wall, target, ranks, args.tolerance)
     batch_params = {r["number"]: r["params"] for r in batch_rows}
     for r in async_rows:
         r["same_params_as_batch"] = r["params"] == batch_params.get(r["number"])
@@ -219,7 +226,11 @@ def main() -> None:
               f"{fmt(m['device_s_to_batch_best'], '.1f'):>22} {m['pruned']:>6} {m['failed']:>6}")
     ratio = (async_["device_s_to_batch_best"] / batch["device_s_to_batch_best"]
              if async_["device_s_to_batch_best"] is not None and batch["device_s_to_batch_best"] else None)
-    print(f"device-seconds to reach the batch arm's best, async / batch: {fmt(ratio, '.3f')}")
+    near = (async_["device_s_to_near_batch_best"] / batch["device_s_to_near_batch_best"]
+            if async_["device_s_to_near_batch_best"] is not None and batch["device_s_to_near_batch_best"] else None)
+    print(f"device-seconds to reach the batch arm's best, async / batch: {fmt(ratio, '.3f')}; to come within "
+          f"{100 * args.tolerance:g}% of it: {fmt(near, '.3f')} (async {fmt(async_['device_s_to_near_batch_best'], '.1f')} "
+          f"device-s, batch {fmt(batch['device_s_to_near_batch_best'], '.1f')})")
     same = sum(r["same_params_as_batch"] for r in async_rows)
     print(f"{same}/{len(async_rows)} async trials have the same params as the batch trial with the same number "
           "(the samplers see different histories, so the trials may differ)")
@@ -239,10 +250,12 @@ def main() -> None:
             "trial_threads": int(trial_env(c)["OMP_NUM_THREADS"]), "space": batch_space,
             "sweeper": {k: v for k, v in sweeper_yaml().items() if k != "params"},
             "order": ["async_pruning", "batch_sync_no_pruning"],
-            "async_teacher": "cache (sample, k=12, built by its first trial)" if args.cache else "live",
+            "async_teacher": f"cache ({args.cache_method}, built by its first trial)" if args.cache else "live",
             "batch_teacher": "live",
         },
         "device_s_to_batch_best_ratio": ratio,
+        "tolerance": args.tolerance,
+        "device_s_to_near_batch_best_ratio": near,
         "notes": [
             "times are seconds from the arm's start (the async arm: launching the sweep command, which includes "
             "composing and validating the search space's corners)",

@@ -81,6 +81,7 @@ class StudentConfig(ModelSource):
 
 TEACHER_LOGITS = ("live", "cache")
 CACHE_METHODS = ("full", "sample", "topk")
+CACHE_ROWS = ("used", "all")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,6 +100,11 @@ class TeacherCacheConfig:
     at another temperature is refused for sample and topk (full keeps logits: any temperature)."""
     seed: int = 0
     """Seeds the draws of method=sample (each row has its own stream, so the cache does not depend on the ranks)."""
+    rows: str = "used"
+    """used: the training rows the run's steps read (train.max_steps × data.batch_size of them, in the order
+    train.seed gives; the whole split from one epoch on), so a short trial on a large dataset pays only for what it
+    reads, and every trial of a sweep with the same seed, batch and steps shares the cache; all: every training row
+    (for a sweep over seeds or lengths). The held-out rows are always all cached."""
     dir: str | None = None
     """Where caches are built (default ``$KDSWEEP_CACHE/teacher``); shared by every trial and rank, like the data's."""
 
@@ -106,6 +112,7 @@ class TeacherCacheConfig:
         _check(self.method in CACHE_METHODS,
                f"teacher.cache.method={self.method} is unknown; use one of {', '.join(CACHE_METHODS)}")
         _check(self.k >= 1, f"teacher.cache.k={self.k} must be >= 1 (tokens kept per position)")
+        _check(self.rows in CACHE_ROWS, f"teacher.cache.rows={self.rows} is unknown; use one of {', '.join(CACHE_ROWS)}")
         _check(self.temperature is None or self.temperature > 0,
                f"teacher.cache.temperature={self.temperature} must be > 0, or null for loss.temperature")
 

@@ -32,6 +32,13 @@ class StepSampler:
         positions = range(step * self.batch_size, (step + 1) * self.batch_size)
         return torch.stack([self._perm(p // self.num_sequences)[p % self.num_sequences] for p in positions])
 
+    def rows_of_first_steps(self, steps: int) -> torch.Tensor:
+        """The sorted indices of every row the first ``steps`` steps read (all of them from one epoch on)."""
+        positions = steps * self.batch_size
+        if positions >= self.num_sequences:
+            return torch.arange(self.num_sequences)
+        return self._perm(0)[:positions].sort().values
+
     def rank_micro_batches(self, step: int, rank: int, world_size: int, micro_batch_size: int) -> list[torch.Tensor]:
         """This rank's contiguous share of the global batch, cut into micro-batches of indices."""
         share = self.global_batch(step).tensor_split(world_size)[rank]

@@ -70,6 +70,11 @@ JOB_STARTED = "KDSWEEP_JOB_STARTED"
 inherit it, so a job's seconds count from its start (imports, tokenization) to its end."""
 
 
+SHARED_THREADS = "KDSWEEP_SHARED_THREADS"
+"""Set by the sweep controller on a local trial it starts alone to build the teacher cache with every core: the
+threads the trial takes once the cache is ready and other trials share the machine."""
+
+
 def process_started() -> float:
     """When this process started (epoch seconds), from /proc; now where that cannot be read."""
     import time

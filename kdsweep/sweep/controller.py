@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from kdsweep.metrics.records import JOB_STARTED
+from kdsweep.metrics.records import JOB_STARTED, SHARED_THREADS
 from kdsweep.sweep.cost import cost_lines, sweep_cost
 from kdsweep.sweep.manifest import FINAL, STORAGE_ENV, Manifest, connect_url
 from kdsweep.sweep.space import Param
@@ -31,9 +31,10 @@ log = logging.getLogger(__name__)
 class Backend(Protocol):
     """Where trial jobs run."""
 
-    def start(self, args: list[str], run_dir: Path) -> dict[str, Any]:
+    def start(self, args: list[str], run_dir: Path, alone: bool = False) -> dict[str, Any]:
         """Start ``python -m kdsweep ARGS``; return what identifies the job (saved in the manifest), with
-        ``logs``: the files its output goes to."""
+        ``logs``: the files its output goes to. ``alone``: no other trial runs until this one says its teacher
+        cache is ready (it may use what the others would)."""
 
     def poll(self, job: dict[str, Any]) -> int | None | str:
         """None while running; else the exit code, or a word for a job that ended without one: "gone" (it
@@ -50,11 +51,14 @@ class LocalProcesses:
         self._env = {k: v for k, v in os.environ.items() if k != JOB_STARTED}  # each trial counts from its own start
         self._env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // max_concurrent)))
 
-    def start(self, args: list[str], run_dir: Path) -> dict[str, Any]:
+    def start(self, args: list[str], run_dir: Path, alone: bool = False) -> dict[str, Any]:
         run_dir.mkdir(parents=True, exist_ok=True)
+        env = {**self._env, STORAGE_ENV: os.environ[STORAGE_ENV]}
+        if alone and "OMP_NUM_THREADS" not in os.environ:  # the teacher pass gets every core; then the trial shares
+            env.update(OMP_NUM_THREADS=str(len(os.sched_getaffinity(0))), **{SHARED_THREADS: env["OMP_NUM_THREADS"]})
         with open(run_dir / "job.log", "ab") as out:
             proc = subprocess.Popen([sys.executable, "-m", "kdsweep", *args], stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True, env={**self._env, STORAGE_ENV: os.environ[STORAGE_ENV]})
+                                    start_new_session=True, env=env)
         self._procs[proc.pid] = proc
         return {"pid": proc.pid, "logs": [str(run_dir / "job.log")]}
 
@@ -165,7 +169,7 @@ class Controller:
 
         entry = self.manifest.trial(number)
         try:
-            job = self.backend.start(entry["args"], Path(entry["run_dir"]))
+            job = self.backend.start(entry["args"], Path(entry["run_dir"]), alone=not self.cache_ready)
         except ConfigError as e:  # the scheduler refused this job: the trial fails, the sweep goes on ...
             self.start_failures += 1
             self.manifest.put(number, job=None, attempts=entry.get("attempts", 0))
@@ -217,13 +221,21 @@ class Controller:
     def _slots(self, running: list[int]) -> int:
         """How many trials may run now: ``max_concurrent``, or one until a trial's teacher cache is ready, so that
         exactly one teacher pass runs however many trials wait for it (the trial that builds it, or finds it built,
-        writes ``teacher_targets.ready`` into its run.json once the cache is in place)."""
+        writes ``teacher_targets.ready`` into its run.json once the cache is in place). The others may start a
+        little before: when the build should end within the time a trial takes to start (the builder's own start-up,
+        measured), they start now and find the cache ready as they need it (the build holds its lock till then)."""
         if not self.cache_ready:
             for entry in self.manifest.trials.values():
                 record = Path(entry["run_dir"]) / "run.json"
-                if record.exists() and (json.loads(record.read_text()).get("teacher_targets") or {}).get("ready"):
+                targets = (json.loads(record.read_text()).get("teacher_targets") or {}) if record.exists() else {}
+                if targets.get("ready"):
                     self.cache_ready = True
                     log.info("teacher cache ready (trial %d): the other trials start and read it", entry["number"])
+                    break
+                if targets.get("building") and targets.get("eta_s", math.inf) <= targets.get("startup_s", 0.0):
+                    self.cache_ready = True
+                    log.info("teacher cache: trial %d's build ends in about %.0f s, the time a trial takes to start: "
+                             "the other trials start now", entry["number"], targets["eta_s"])
                     break
         if self.cache_ready:
             return self.settings.max_concurrent

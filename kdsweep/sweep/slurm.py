@@ -107,7 +107,8 @@ class SlurmJobs:
             raise ConfigError(f"SLURM refuses the trials' jobs ({lines[-1][:300]}); check hydra.launcher "
                               "(partition, time, resources)")
 
-    def start(self, args: list[str], run_dir: Path) -> dict[str, Any]:
+    def start(self, args: list[str], run_dir: Path, alone: bool = False) -> dict[str, Any]:
+        """Submit the trial's job (``alone`` changes nothing: a SLURM job has the resources its launcher names)."""
         import submitit
 
         self._executor = self._executor or executor_for(self.launcher)

@@ -1,9 +1,11 @@
-"""The teacher pass that writes a cache: every position of every row of both splits, once.
+"""The teacher pass that writes a cache: every position of the rows it holds, once.
 
-Every rank of the job that builds it takes a contiguous share of the rows and runs the (sharded) teacher over them
-in batches; all ranks run the same number of forwards (FSDP's collectives need it), a rank with a shorter share
-padding with a batch it does not write. Sampling is seeded per row, so the cache does not depend on how many
-ranks built it, nor on how its rows were batched.
+A split's cache holds a selection of its rows (``teacher.cache.rows``: those the run's steps read, or all; the
+held-out split always all), kept in ascending order; their positions, one row after another, form the cache's
+stream. Every rank of the job that builds it takes a contiguous share of the selection and runs the (sharded)
+teacher over it in batches; all ranks run the same number of forwards (FSDP's collectives need it), a rank with a
+shorter share padding with a batch it does not write. Sampling is seeded per row, so the cache does not depend on
+how many ranks built it, nor on how its rows were batched.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dataclasses import dataclass
+
 from kdsweep.config.schema import ConfigError
 from kdsweep.data.cache import built_once
 from kdsweep.data.rows import Rows
@@ -31,6 +35,23 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint16": torch.uint16,
           "int32": torch.int32}
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The rows of one split a cache holds: ``rows`` (the tokenization cache's split), ``selected`` (ascending
+    indices into it)."""
+
+    rows: Rows
+    selected: torch.Tensor
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.rows.lengths[self.selected]
+
+    @property
+    def positions(self) -> int:
+        return int(self.lengths.sum())
 
 
 def share(n: int, rank: int, world: int) -> tuple[int, int]:
@@ -68,40 +89,50 @@ def _write(f: BinaryIO, t: torch.Tensor) -> None:
     f.write(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
 
 
+def _write_file(path: Path, t: torch.Tensor) -> None:
+    with open(path, "wb") as f:
+        _write(f, t)
+
+
 @torch.no_grad()
-def write_split(teacher: nn.Module, rows: Rows, split: str, spec: Spec, out: Path, dist: DistEnv,
-                device: torch.device, batch_rows: int, ignore_index: int) -> int:
-    """Write this rank's share of ``split``; returns the teacher tokens (positions) computed."""
-    start, end = share(len(rows), dist.rank, dist.world_size)
-    longest = -(-len(rows) // dist.world_size)
+def write_split(teacher: nn.Module, sel: Selection, split: str, spec: Spec, out: Path, dist: DistEnv,
+                device: torch.device, batch_rows: int, ignore_index: int,
+                progress: Callable[[int], None] = lambda rows: None) -> int:
+    """Write this rank's share of ``split``'s selected rows; returns the teacher tokens (positions) computed.
+    ``progress`` hears how many of this rank's rows are written after each batch."""
+    start, end = share(len(sel.selected), dist.rank, dist.world_size)
+    mine = sel.selected[start:end].tolist()
+    longest = -(-len(sel.selected) // dist.world_size)
     files = {name: open(out / f"{split}.{name}.{dist.rank}", "wb") for name in spec.fields()}
     generator = torch.Generator(device=device) if spec.method == "sample" else None
     computed = 0
     try:
         for first in range(0, max(longest, 1), batch_rows):
-            idx = list(range(start + first, min(start + first + batch_rows, end)))
-            batch = rows.batch(idx or [0]).to(device)  # an empty share still runs the forward, writes nothing
+            idx = mine[first:first + batch_rows]
+            batch = sel.rows.batch(idx or [0]).to(device)  # an empty share still runs the forward, writes nothing
             logits = teacher(**batch.inputs()).logits
             computed += batch.input_ids.numel()
             for r, row in enumerate(idx):
-                length = int(rows.offsets[row + 1] - rows.offsets[row])
+                length = int(sel.rows.offsets[row + 1] - sel.rows.offsets[row])
                 if generator is not None:
                     generator.manual_seed(row_seed(spec.seed, split, row))
                 fields = row_targets(logits[r, :length], batch.labels[r, :length], spec, ignore_index, generator)
                 for name, values in fields.items():
                     _write(files[name], values)
+            progress(len(idx))
     finally:
         for f in files.values():
             f.close()
     return computed
 
 
-def parts(rows: Rows, world: int) -> list[dict[str, int]]:
-    """Where each rank's part lies among the split's positions."""
+def parts(sel: Selection, world: int) -> list[dict[str, int]]:
+    """Where each rank's part lies in the split's stream of positions."""
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), sel.lengths.cumsum(0)])
     out = []
     for rank in range(world):
-        start, end = share(len(rows), rank, world)
-        out.append({"rank": rank, "start": int(rows.offsets[start]), "count": int(rows.offsets[end] - rows.offsets[start])})
+        a, b = share(len(sel.selected), rank, world)
+        out.append({"rank": rank, "start": int(starts[a]), "count": int(starts[b] - starts[a])})
     return out
 
 
@@ -117,23 +148,44 @@ def check_space(root: Path, positions: int, spec: Spec) -> None:
         )
 
 
-def ensure(root: Path, key: str, spec: Spec, splits: dict[str, Rows], load: Callable[[], nn.Module], dist: DistEnv,
-           device: torch.device, batch_rows: int, ignore_index: int, info: dict[str, Any]) -> tuple[Path, dict[str, Any] | None]:
+class Progress:
+    """Rank 0's share of the build: every second at most, ``announce`` hears the seconds since the build began and
+    the seconds it should still take (from the pace so far)."""
+
+    def __init__(self, rows: int, announce: Callable[[dict[str, float]], None]) -> None:
+        self.rows, self.done, self.announce = max(rows, 1), 0, announce
+        self.started = self.last = time.perf_counter()
+
+    def __call__(self, rows: int) -> None:
+        self.done += rows
+        now = time.perf_counter()
+        if now - self.last >= 1.0 and self.done:
+            self.last = now
+            elapsed = now - self.started
+            self.announce({"elapsed_s": elapsed, "eta_s": elapsed * (self.rows / self.done - 1)})
+
+
+def ensure(root: Path, key: str, spec: Spec, splits: dict[str, Selection], load: Callable[[], nn.Module], dist: DistEnv,
+           device: torch.device, batch_rows: int, ignore_index: int, info: dict[str, Any],
+           announce: Callable[[dict[str, float]], None] = lambda progress: None) -> tuple[Path, dict[str, Any] | None]:
     """The cache ``root/key``, built first by this job's ranks when it does not exist (every rank calls this).
 
     Returns (its directory, the build's stats, or None when it was already there). ``load`` builds the teacher
-    (a collective when sharded); it is called only when the cache must be built, and dropped after.
+    (a collective when sharded); it is called only when the cache must be built, and dropped after. ``announce``
+    hears how the build progresses (on rank 0).
     """
     root.mkdir(parents=True, exist_ok=True)
     if not (root / key).is_dir():
-        check_space(root, sum(len(rows.input_ids) for rows in splits.values()), spec)
+        check_space(root, sum(sel.positions for sel in splits.values()), spec)
     stats: dict[str, Any] | None = None
 
     def build(tmp: Path) -> dict[str, Any]:
         t0 = time.perf_counter()
         teacher = load()
         loaded = time.perf_counter() - t0
-        computed = sum(write_split(teacher, splits[s], s, spec, tmp, dist, device, batch_rows, ignore_index)
+        mine = sum(-(-len(sel.selected) // dist.world_size) for sel in splits.values())
+        progress = Progress(mine, announce) if dist.is_main else (lambda rows: None)
+        computed = sum(write_split(teacher, splits[s], s, spec, tmp, dist, device, batch_rows, ignore_index, progress)
                        for s in SPLITS)
         del teacher
         if device.type == "cuda":
@@ -150,8 +202,10 @@ def ensure(root: Path, key: str, spec: Spec, splits: dict[str, Rows], load: Call
             if tmp is not None:
                 stats = build(tmp)
                 meta = {"version": CACHE_VERSION, "spec": spec.__dict__, **info, "built": stats,
-                        "splits": {s: {"positions": len(splits[s].input_ids), "rows": len(splits[s]),
-                                       "parts": parts(splits[s], dist.world_size)} for s in SPLITS}}
+                        "splits": {s: {"positions": sel.positions, "rows": len(sel.selected), "of_rows": len(sel.rows),
+                                       "parts": parts(sel, dist.world_size)} for s, sel in splits.items()}}
+                for s, sel in splits.items():
+                    _write_file(tmp / f"{s}.rows", sel.selected.to(torch.int64))
                 (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     else:
         tmp = dist.broadcast_object(None)

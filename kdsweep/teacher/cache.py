@@ -4,11 +4,11 @@ Layout of ``<teacher.cache.dir or $KDSWEEP_CACHE/teacher>/<key>/``:
 
 - ``meta.json``: the method, k, temperature, seed, vocabulary and dtype, each split's positions and parts, and what
   the build cost (seconds, ranks, device, teacher tokens);
-- per split (``train``, ``eval``) and field, one raw file per building rank (``train.ids.0``, ``train.ids.1``, ...):
-  rank r wrote the positions of a contiguous share of the rows, so a row never straddles two parts. Positions are
-  those of the tokenization cache's flat rows (row i is ``offsets[i]:offsets[i+1]``), so every job that reads the
-  rows reads the matching targets. Files are memory-mapped: the pages of a trial's rows are read when used and
-  shared by every process on the machine.
+- per split (``train``, ``eval``): ``<split>.rows``, the indices (int64, ascending) of the tokenization cache's rows
+  it holds (``teacher.cache.rows``: the training rows the run's steps read, or all; every held-out row), and per
+  field one raw file per building rank (``train.ids.0``, ``train.ids.1``, ...): the positions of those rows one
+  after another, rank r's part a contiguous share of them, so a row never straddles two parts. Files are
+  memory-mapped: the pages of a trial's rows are read when used and shared by every process on the machine.
 
 Fields per position (``k`` = ``teacher.cache.k``; ids in uint16 up to a 65,536-token vocabulary, else int32):
 
@@ -19,8 +19,9 @@ topk       ``ids`` [k], ``logp`` [k] fp16 log-probabilities at T_c; ``tail_logp`
 =========  ===============================================================================================
 
 The key hashes the teacher's weights and config (their content, memoized by size and mtime, so moving the
-directory keeps the key and editing a weight changes it), the tokenization cache's key, the method, k, the
-temperature, the seed, the vocabulary and the teacher's compute dtype. The cache is built once, under the same lock
+directory keeps the key and editing a weight changes it), the tokenization cache's key, the rows it holds (all, or
+the seed, batch size and steps that read them), the method, k, the temperature, the seed of the draws, the
+vocabulary and the teacher's compute dtype. The cache is built once, under the same lock
 and atomic rename as the tokenization cache (:func:`kdsweep.data.cache.built_once`): a killed build leaves only a
 temp directory, which nothing reads.
 """
@@ -97,15 +98,16 @@ def teacher_hash(teacher_dir: Path, memo_dir: Path) -> str:
     return content_hash(str(teacher_dir), memo_dir)
 
 
-def cache_key(spec: Spec, teacher_digest: str, data_key: str) -> str:
-    parts = [CACHE_VERSION, asdict(spec), teacher_digest, data_key]
+def cache_key(spec: Spec, teacher_digest: str, data_key: str, coverage: Any = "all") -> str:
+    """``coverage``: "all" training rows, or the seed, batch size and steps whose rows the cache holds."""
+    parts = [CACHE_VERSION, asdict(spec), teacher_digest, data_key, coverage]
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def cache_dir(cfg: RunConfig, spec: Spec, teacher_dir: Path, data_key: str) -> Path:
+def cache_dir(cfg: RunConfig, spec: Spec, teacher_dir: Path, data_key: str, coverage: Any = "all") -> Path:
     """Where the cache of this teacher, these rows and this spec lives (built or not)."""
     root = cache_root(cfg)
-    return root / cache_key(spec, teacher_hash(teacher_dir, root / "hashes"), data_key)
+    return root / cache_key(spec, teacher_hash(teacher_dir, root / "hashes"), data_key, coverage)
 
 
 def read_meta(path: Path) -> dict[str, Any]:

@@ -16,15 +16,19 @@ from kdsweep.teacher.cache import Spec, read_meta
 
 
 class CachedSplit:
-    """One split of a cache, memory-mapped: the targets of any rows of the tokenization cache's split."""
+    """One split of a cache, memory-mapped: the targets of the rows it holds (any batch of them)."""
 
     def __init__(self, path: Path, split: str, rows: Rows) -> None:
         meta = read_meta(path)
-        self.spec = Spec(**meta["spec"])
+        self.spec, self.path, self.split = Spec(**meta["spec"]), path, split
         info = meta["splits"][split]
-        if info["positions"] != len(rows.input_ids):
-            raise ValueError(f"the teacher cache {path} holds {info['positions']} {split} positions, the rows "
-                             f"{len(rows.input_ids)}: it was built for other rows")
+        selected = torch.from_file(str(path / f"{split}.rows"), shared=False, size=info["rows"], dtype=torch.int64)
+        if info["of_rows"] != len(rows) or int(rows.lengths[selected].sum()) != info["positions"]:
+            raise ValueError(f"the teacher cache {path} was built for other {split} rows than these")
+        # row -> its place in the cache's stream of positions (rows one after another, in ascending order)
+        self.slot = torch.full((len(rows),), -1, dtype=torch.long)
+        self.slot[selected] = torch.arange(len(selected))
+        self.starts = torch.cat([torch.zeros(1, dtype=torch.long), rows.lengths[selected].cumsum(0)])
         self.rows, self.parts = rows, info["parts"]
         self.maps: dict[str, list[torch.Tensor]] = {}
         for name, (dtype, width) in self.spec.fields().items():
@@ -35,15 +39,19 @@ class CachedSplit:
             ]
 
     def _locate(self, position: int) -> int:
-        return max(i for i, p in enumerate(self.parts) if p["start"] <= position)
+        return max(i for i, p in enumerate(self.parts) if p["start"] <= position and p["count"])
 
     def gather(self, row_ids: torch.Tensor, length: int) -> dict[str, torch.Tensor]:
         """field → ``[B, length, width]``: each row's positions, zero past its end (padding, never a label)."""
+        slots = self.slot[row_ids]
+        if bool((slots < 0).any()):
+            raise ValueError(f"row {int(row_ids[slots < 0][0])} of the {self.split} split is not in the teacher cache "
+                             f"{self.path} (it holds the rows of the run it was built for: teacher.cache.rows)")
         out = {}
         for name, (dtype, width) in self.spec.fields().items():
             buf = torch.zeros(len(row_ids), length, width, dtype=DTYPES[dtype])
-            for b, row in enumerate(row_ids.tolist()):
-                a, e = int(self.rows.offsets[row]), int(self.rows.offsets[row + 1])
+            for b, k in enumerate(slots.tolist()):
+                a, e = int(self.starts[k]), int(self.starts[k + 1])
                 part = self._locate(a)
                 start = self.parts[part]["start"]
                 buf[b, : e - a] = self.maps[name][part][a - start : e - start]

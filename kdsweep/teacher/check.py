@@ -56,7 +56,8 @@ def check_writable(root: Path) -> Path:
 
 
 def estimated_positions(cfg: RunConfig) -> int:
-    """Token positions of both splits: counted, if the rows are tokenized already, else estimated from the bytes."""
+    """Token positions the cache will hold: counted, if the rows are tokenized already, else estimated from the
+    sources' bytes; with ``teacher.cache.rows=used`` at most the training rows the run's steps read."""
     from kdsweep.data.key import cache_root as data_root
 
     total = 0
@@ -64,12 +65,15 @@ def estimated_positions(cfg: RunConfig) -> int:
         p = Path(ds.path)
         files = [f for f in p.rglob("*") if f.is_file()] if p.is_dir() else [p] if p.is_file() else []
         total += sum(f.stat().st_size for f in files) // BYTES_PER_TOKEN
+    train, held_out = total, 0
     for stats in data_root(cfg.data).glob("*/stats.json"):  # tokenized already: exact counts of the same sources
         counted = json.loads(stats.read_text())
         if counted.get("train", {}).get("sources") and all(
                 s.get("path") in {ds.path for _, ds in train_sources(cfg.data)} for s in counted["train"]["sources"]):
-            total = sum(counted[s]["rows"] * cfg.data.seq_len for s in ("train", "eval"))
-    return total
+            train, held_out = (counted[s]["rows"] * cfg.data.seq_len for s in ("train", "eval"))
+    if cfg.teacher.cache.rows == "used":
+        train = min(train, cfg.train.max_steps * cfg.data.batch_size * cfg.data.seq_len)
+    return train + held_out
 
 
 def preflight_cache(cfg: RunConfig, vocab: int) -> None:

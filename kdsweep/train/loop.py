@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -17,10 +18,10 @@ from kdsweep.data.dataset import data_key, load_data
 from kdsweep.data.rows import Rows
 from kdsweep.data.sampling import StepSampler
 from kdsweep.distributed import DistEnv, device_for, single_process
-from kdsweep.metrics.records import RunRecord, job_started
+from kdsweep.metrics.records import SHARED_THREADS, RunRecord, job_started
 from kdsweep.metrics.sinks import MetricLogger, open_sinks
 from kdsweep.metrics.cost import CostMeter
-from kdsweep.teacher.open import open_teacher
+from kdsweep.teacher.job import open_teacher
 from kdsweep.train.baseline import baseline, baseline_path
 from kdsweep.train.profile import step_profiler
 from kdsweep.models.load import load_student, load_tokenizer, resolve_dir, unsharded_on_rank0
@@ -107,7 +108,7 @@ def _warn_idle_knobs(cfg: RunConfig, dist: DistEnv) -> None:
         if cfg.checkpoint.export_adapter and not cfg.checkpoint.export_merged:
             log.warning("checkpoint.export_adapter: a full fine-tune has no adapter; set export_merged=true to export")
     cache, default = cfg.teacher.cache, TeacherCacheConfig()
-    idle = {"live": ("method", "k", "temperature", "seed", "dir"), "full": ("k", "temperature", "seed"),
+    idle = {"live": ("method", "k", "temperature", "seed", "rows", "dir"), "full": ("k", "temperature", "seed"),
             "topk": ("seed",), "sample": ()}["live" if cfg.teacher.logits == "live" else cache.method]
     for knob in (k for k in idle if changed(cache, default, k)):
         why = "teacher.logits=live" if cfg.teacher.logits == "live" else f"teacher.cache.method={cache.method}"
@@ -243,9 +244,16 @@ def _train(
     t0 = time.perf_counter()
     _warn_idle_knobs(cfg, dist)
     dtype = cfg.train.dtype
-    teacher = open_teacher(cfg, teacher_dir, student_dir, data, dist, device)
+    def building(progress: dict[str, float]) -> None:  # how long this job took to start, for the sweep controller
+        if record is not None:
+            started = time.time() - job_started() - progress["elapsed_s"]
+            record.update(teacher_targets={"building": True, "startup_s": started, **progress})
+
+    teacher = open_teacher(cfg, teacher_dir, student_dir, data, dist, device, building)
     if record is not None:  # the sweep controller starts the other trials once a cache is ready
         record.update(teacher_targets=teacher.record)
+    if os.environ.get(SHARED_THREADS) and not cfg.train.threads:  # it built the cache alone: now it shares the cores
+        torch.set_num_threads(int(os.environ[SHARED_THREADS]))
     timings["teacher_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     student = load_student(student_dir, cfg.model, dtype, device, cfg.train.seed, dist, cfg.dist)

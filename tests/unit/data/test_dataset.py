@@ -12,6 +12,7 @@ import torch
 from helpers import word_tokenizer
 from kdsweep.config.schema import ConfigError, DataConfig, DatasetConfig
 from kdsweep.data import dataset as data_mod
+from kdsweep.data import key as data_key_mod
 from kdsweep.data.dataset import load_data
 from kdsweep.data.sampling import StepSampler
 
@@ -165,7 +166,7 @@ def test_the_cache_is_reused_and_keyed_by_what_shapes_the_rows(tmp_path, files, 
     assert second.reused and second.cache_dir == first.cache_dir
     assert torch.equal(second.train.input_ids, first.train.input_ids)
     monkeypatch.undo()
-    key = lambda c, d=tok_dir: data_mod.cache_key(c, d, IGNORE, tmp_path / "memo")
+    key = lambda c, d=tok_dir: data_key_mod.cache_key(c, d, IGNORE, tmp_path / "memo")
     base = key(cfg)
     assert key(DataConfig(**{**vars(cfg), "seq_len": 64})) != base
     assert key(DataConfig(**{**vars(cfg), "train_on_prompt": True})) != base

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -13,7 +13,8 @@ from kdsweep.config.schema import RunConfig
 from kdsweep.data.dataset import RunData
 from kdsweep.distributed import DistEnv
 from kdsweep.teacher.source import TeacherSource
-from kdsweep.teacher.build import ensure
+from kdsweep.data.sampling import StepSampler
+from kdsweep.teacher.build import Selection, ensure
 from kdsweep.teacher.cache import Spec, cache_key, cache_root, teacher_hash
 from kdsweep.teacher.cached import CachedSplit, CachedTeacher
 from kdsweep.teacher.live import LiveTeacher
@@ -50,7 +51,8 @@ def vocab_size(model_dir: Path) -> int:
 
 
 def open_teacher(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: RunData, dist: DistEnv,
-                 device: torch.device) -> Teacher:
+                 device: torch.device, announce: Callable[[dict[str, float]], None] = lambda progress: None) -> Teacher:
+    """The job's teacher; ``announce`` hears how a cache build progresses (rank 0: seconds so far and to go)."""
     from kdsweep.models.load import load_teacher
 
     load = lambda: load_teacher(teacher_dir, cfg.train.dtype, device, dist, cfg.dist)
@@ -61,17 +63,24 @@ def open_teacher(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: Run
     spec = Spec.of(cfg, min(vocab_size(teacher_dir), vocab_size(student_dir)))
     root = cache_root(cfg)
     digest = dist.broadcast_object(teacher_hash(teacher_dir, root / "hashes") if dist.is_main else None)
-    key = cache_key(spec, digest, data.cache_dir.name)
-    info = {"teacher": str(teacher_dir), "teacher_hash": digest, "data_key": data.cache_dir.name}
-    path, built = ensure(root, key, spec, {"train": data.train, "eval": data.eval}, load, dist, device,
-                         cfg.data.micro_batch_size, cfg.loss.ignore_index, info)
+    used = torch.arange(len(data.train))
+    if cfg.teacher.cache.rows == "used":
+        used = StepSampler(len(data.train), cfg.data.batch_size, cfg.train.seed).rows_of_first_steps(cfg.train.max_steps)
+    # the rows it holds: all (shared by any run on these rows), or those of this seed, batch size and length
+    coverage = "all" if len(used) == len(data.train) else {
+        "seed": cfg.train.seed, "batch_size": cfg.data.batch_size, "max_steps": cfg.train.max_steps}
+    key = cache_key(spec, digest, data.cache_dir.name, coverage)
+    info = {"teacher": str(teacher_dir), "teacher_hash": digest, "data_key": data.cache_dir.name, "rows": coverage}
+    splits = {"train": Selection(data.train, used), "eval": Selection(data.eval, torch.arange(len(data.eval)))}
+    path, built = ensure(root, key, spec, splits, load, dist, device, cfg.data.micro_batch_size,
+                         cfg.loss.ignore_index, info, announce)
     if built is not None:
         log.info("teacher cache: built %s in %s in %.1f s (%d teacher tokens, %d ranks); the teacher is unloaded",
                  spec.describe(), path, built["seconds"], built["teacher_tokens"], built["ranks"])
     else:
         log.info("teacher cache: reused %s in %s (the teacher is not loaded)", spec.describe(), path)
     ce, kl = SEMANTICS[spec.method]
-    record = {"source": "cache", "method": spec.method, "k": spec.k, "temperature": spec.temperature,
+    record = {"source": "cache", "method": spec.method, "k": spec.k, "temperature": spec.temperature, "rows": coverage,
               "bytes_per_position": spec.bytes_per_position(), "dir": str(path), "built": built is not None,
               "build": built, "ready": True, "teacher_ce": ce, "kl": kl.format(k=spec.k, t=spec.temperature),
               "kl_temperature": 1.0 if spec.method == "full" else spec.temperature}
