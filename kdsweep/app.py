@@ -102,14 +102,17 @@ def run_rank(run_cfg: RunConfig, raw: dict[str, Any], overrides: list[str]) -> d
     """One rank of a job (all of it, for one rank): join the process group, train, return rank 0's summary."""
     import dataclasses
 
+    from kdsweep.data.cache import kdsweep_cache
     from kdsweep.distributed import detect, device_for, process_group
+    from kdsweep.distributed.rendezvous import agree_port, check_shared, release_port
     from kdsweep.distributed.signals import PreemptionWatch
     from kdsweep.train import NULL_REPORTER, run
 
-    env = detect()
+    env = agree_port(detect(), kdsweep_cache(), run_cfg.dist.timeout_s)
     device = device_for(run_cfg.train.device, env)
     watch = PreemptionWatch()
     with process_group(env, device, timeout_s=run_cfg.dist.timeout_s):
+        release_port(env, kdsweep_cache())
         reporter = NULL_REPORTER
         if run_cfg.trial.sweep_dir and env.is_main:  # rank 0 talks to the study; the loop shares its decision
             from kdsweep.sweep.handle import TrialHandle
@@ -122,6 +125,7 @@ def run_rank(run_cfg: RunConfig, raw: dict[str, Any], overrides: list[str]) -> d
             run_cfg = dataclasses.replace(run_cfg, output_dir=output_dir)
             raw = {**raw, "output_dir": output_dir}
         _setup_rank_logging(output_dir, env.rank)
+        check_shared(env, shared_dirs(run_cfg))
         result = run(run_cfg, dist=env, reporter=reporter, preemption=watch, resolved_config=raw, overrides=overrides)
     if result.status == "preempted":
         watch.handover(env.rank)  # under submitit, rank 0 requeues the job and exits here
@@ -134,6 +138,17 @@ def run_rank(run_cfg: RunConfig, raw: dict[str, Any], overrides: list[str]) -> d
         "teacher": result.eval_after.teacher_ce if result.eval_after else float("nan"),
         "rank": env.rank, "world_size": env.world_size,
     }
+
+
+def shared_dirs(cfg: RunConfig) -> dict[str, Path]:
+    """What every rank of a job must see alike: its run directory and the caches it reads."""
+    from kdsweep.data.key import cache_root as data_root
+    from kdsweep.teacher.cache import cache_root
+
+    dirs = {"the run directory": Path(cfg.output_dir), "the tokenization cache": data_root(cfg.data)}
+    if cfg.teacher.logits == "cache":
+        dirs["the teacher cache"] = cache_root(cfg)
+    return dirs
 
 
 def _remove_if_empty(path: str | None) -> None:

@@ -143,11 +143,22 @@ def build(cfg: DataConfig, tokenizer: Any, ignore_index: int) -> tuple[Rows, Row
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     train, train_stats = make_rows(train_samples, cfg, pad_id, ignore_index)
     held, eval_stats = make_rows(eval_samples, cfg, pad_id, ignore_index)
-    for split, rows in (("training", train), ("eval", held)):
+    for split, rows, stats in (("training", train, train_stats), ("eval", held, eval_stats)):
         if len(rows) == 0:
-            raise ConfigError(f"data: the {split} split makes no rows of data.seq_len={cfg.seq_len} tokens; add data, "
-                              "lower data.seq_len or use data.truncation=truncate")
+            raise ConfigError(f"data: the {split} split makes no rows of data.seq_len={cfg.seq_len} tokens; "
+                              + no_rows_fix(cfg, stats, train_stats["tokens"], eval_stats["tokens"]))
     return train, held, {"train": {**train_stats, "sources": train_info}, "eval": {**eval_stats, "sources": eval_info}}
+
+
+def no_rows_fix(cfg: DataConfig, stats: dict[str, Any], train_tokens: int, eval_tokens: int) -> str:
+    """What to change when a split makes no rows, from what it and the two splits hold."""
+    if stats["dropped"] and cfg.truncation == "drop":
+        return "every sample is longer; use data.truncation=truncate or a larger data.seq_len"
+    fewest = min(train_tokens, eval_tokens)
+    if cfg.sequences == "stream" and fewest > 1:
+        return (f"the training and eval splits hold {train_tokens} and {eval_tokens} tokens: "
+                f"pass data.seq_len=<at most {fewest - 1}> or add data")
+    return "add data"
 
 
 def make_rows(samples: list[Sample], cfg: DataConfig, pad_id: int, ignore_index: int) -> tuple[Rows, dict[str, Any]]:

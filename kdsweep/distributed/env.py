@@ -21,6 +21,10 @@ import torch
 import torch.distributed as dist
 
 
+LOCAL_RANKS = "KDSWEEP_LOCAL_RANKS"
+"""Set in the ranks kdsweep spawns itself (``dist.nproc_per_node``), which torch's launcher starts like torchrun's."""
+
+
 @dataclass(frozen=True)
 class DistEnv:
     """Rank layout of the current job."""
@@ -31,7 +35,7 @@ class DistEnv:
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     source: str = "single"
-    """Where the layout came from: single, torchrun or slurm."""
+    """Where the layout came from: single, local (ranks kdsweep spawned for dist.nproc_per_node), torchrun or slurm."""
 
     @property
     def is_main(self) -> bool:
@@ -65,6 +69,14 @@ class DistEnv:
         dist.all_gather(out, t)
         return [x.item() for x in out]
 
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (picklable), in rank order, on every rank."""
+        if not self.active:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
     def broadcast_object(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank."""
         if not self.active:
@@ -88,10 +100,43 @@ def _collective_device() -> torch.device:
     return torch.device("cpu")
 
 
-def slurm_master_port(job_id: str) -> int:
-    """A port every task of a SLURM job derives alike from its job id, spread over 20000–39999."""
-    digits = re.sub(r"\D", "", job_id) or "0"
-    return 20000 + int(digits) % 20000
+def slurm_master_port(job_id: str, step_id: str = "0") -> int:
+    """A port every task of a SLURM job step derives alike from its job and step ids, spread over 20000–39999
+    (two steps of one job, or the tasks of an array, get different ones)."""
+    job = int(re.sub(r"\D", "", job_id) or "0")
+    step = int(re.sub(r"\D", "", step_id) or "0")
+    return 20000 + (job * 7919 + step * 104729) % 20000
+
+
+def _split_top(nodelist: str) -> list[str]:
+    """``a[1-2],b`` → ``["a[1-2]", "b"]``: commas outside brackets separate host expressions."""
+    parts, depth, cur = [], 0, ""
+    for ch in nodelist:
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return [p for p in [*parts, cur] if p]
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Every host of a SLURM node list, as ``scontrol show hostnames`` lists them: ``gpu[01-03,07],cpu5`` →
+    gpu01 gpu02 gpu03 gpu07 cpu5 (zero padding kept; several bracket groups in one name multiply)."""
+    hosts: list[str] = []
+    for expr in _split_top(nodelist.strip()):
+        m = re.match(r"^([^\[]*)\[([^\]]*)\](.*)$", expr)
+        if m is None:
+            hosts.append(expr)
+            continue
+        head, ranges, tail = m.groups()
+        tails = expand_nodelist(tail) if tail else [""]
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            hosts += [f"{head}{n:0{len(lo)}d}{t}" for n in range(int(lo), int(hi or lo) + 1) for t in tails]
+    return hosts
 
 
 def first_slurm_host(nodelist: str) -> str:
@@ -102,8 +147,8 @@ def first_slurm_host(nodelist: str) -> str:
             return out.stdout.split()[0]
     except (OSError, subprocess.TimeoutExpired):
         pass
-    m = re.match(r"([^,\[]+)(?:\[(\d+))?", nodelist)  # scontrol unavailable: expand the first range by hand
-    return (m.group(1) + (m.group(2) or "")) if m else "127.0.0.1"
+    hosts = expand_nodelist(nodelist)  # scontrol unavailable: the same expansion, by hand
+    return hosts[0] if hosts else "127.0.0.1"
 
 
 def detect(environ: Mapping[str, str] | None = None) -> DistEnv:
@@ -113,15 +158,25 @@ def detect(environ: Mapping[str, str] | None = None) -> DistEnv:
         return DistEnv(
             rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]), local_rank=int(env.get("LOCAL_RANK", 0)),
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=int(env.get("MASTER_PORT", 29500)),
-            source="torchrun",
+            source="local" if env.get(LOCAL_RANKS) else "torchrun",
         )
-    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+    tasks = int(env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or 1)
+    if "SLURM_JOB_ID" in env and "SLURM_STEP_ID" not in env and tasks > 1:
+        from kdsweep.config.schema import ConfigError
+
+        raise ConfigError(
+            f"this process runs in a SLURM allocation of {tasks} tasks but was not started by srun, so it would wait "
+            f"for {tasks - 1} rank(s) that never come; start it with srun (srun python -m kdsweep ...), or run it as "
+            "one rank (srun -n1 python -m kdsweep ...)"
+        )
+    if "SLURM_PROCID" in env and tasks > 1:
         job = env.get("SLURM_JOB_ID", "0")  # unique per array task too
+        # the step's own nodes: a step on part of the allocation has its rank 0 on the first of them
+        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
         return DistEnv(
-            rank=int(env["SLURM_PROCID"]), world_size=int(env["SLURM_NTASKS"]),
-            local_rank=int(env.get("SLURM_LOCALID", 0)),
-            master_addr=first_slurm_host(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "127.0.0.1"))),
-            master_port=slurm_master_port(job), source="slurm",
+            rank=int(env["SLURM_PROCID"]), world_size=tasks, local_rank=int(env.get("SLURM_LOCALID", 0)),
+            master_addr=first_slurm_host(nodes), master_port=slurm_master_port(job, env.get("SLURM_STEP_ID", "0")),
+            source="slurm",
         )
     return DistEnv()
 
@@ -135,8 +190,21 @@ def device_for(name: str, env: DistEnv) -> torch.device:
     if name == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError("train.device=cuda but no CUDA device is visible; pass train.device=cpu or auto")
-        return torch.device("cuda", env.local_rank)
+        return torch.device("cuda", cuda_index(env.local_rank, torch.cuda.device_count()))
     return torch.device(name)
+
+
+def cuda_index(local_rank: int, visible: int) -> int:
+    """The GPU of a local rank among those its process sees: its own when the launcher bound one GPU to each
+    task (``--gpus-per-task``, ``--gpu-bind``: the task sees only ``cuda:0``), else ``cuda:<local rank>``."""
+    from kdsweep.config.schema import ConfigError
+
+    if visible == 1:
+        return 0
+    if local_rank >= visible:
+        raise ConfigError(f"local rank {local_rank} needs a GPU but this process sees {visible} "
+                          "(CUDA_VISIBLE_DEVICES); give each node as many GPUs as tasks, or one GPU per task")
+    return local_rank
 
 
 def backend_for(device: torch.device) -> str:
@@ -154,7 +222,7 @@ def process_group(env: DistEnv, device: torch.device, timeout_s: float = 600) ->
         MASTER_ADDR=env.master_addr, MASTER_PORT=str(env.master_port),
     )
     if device.type == "cuda":
-        torch.cuda.set_device(env.local_rank)
+        torch.cuda.set_device(device)
     dist.init_process_group(backend_for(device), timeout=datetime.timedelta(seconds=timeout_s))
     try:
         yield env

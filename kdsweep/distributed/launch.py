@@ -10,6 +10,7 @@ from typing import Any, Callable
 import torch
 
 from kdsweep.config.schema import ConfigError, DistConfig
+from kdsweep.distributed.env import LOCAL_RANKS
 
 
 def available_devices(device: torch.device) -> tuple[int, str]:
@@ -70,4 +71,8 @@ def spawn(fn: Callable[..., Any], args: tuple, cfg: DistConfig) -> Any:
         # kernels ran can deadlock the child's first matmul. Costs each rank its imports (seconds).
         start_method="spawn",
     )
-    return elastic_launch(launch, fn)(*args)[0]
+    os.environ[LOCAL_RANKS] = "1"  # the ranks inherit it: they know dist.nproc_per_node started them, not torchrun
+    try:
+        return elastic_launch(launch, fn)(*args)[0]
+    finally:
+        os.environ.pop(LOCAL_RANKS, None)

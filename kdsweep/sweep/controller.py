@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -40,6 +41,10 @@ class Backend(Protocol):
         """None while running; else the exit code, or a word for a job that ended without one: "gone" (it
         vanished) or the scheduler's state ("CANCELLED", "TIMEOUT", ...)."""
 
+    def find(self, args: list[str], run_dir: Path) -> dict[str, Any] | None:
+        """The trial's job, if one was started (running or ended) that the manifest does not know of: what
+        ``start`` would have returned for it, else None."""
+
 
 class LocalProcesses:
     """Trials as local processes (``hydra/launcher=basic``); each job may spawn its own ranks."""
@@ -60,18 +65,46 @@ class LocalProcesses:
             proc = subprocess.Popen([sys.executable, "-m", "kdsweep", *args], stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True, env=env)
         self._procs[proc.pid] = proc
-        return {"pid": proc.pid, "logs": [str(run_dir / "job.log")]}
+        return {"pid": proc.pid, "started": _proc_start(proc.pid), "logs": [str(run_dir / "job.log")]}
 
     def poll(self, job: dict[str, Any]) -> int | None | str:
         proc = self._procs.get(job["pid"])
         if proc is not None:
             return proc.poll()
-        # A job started by an earlier controller (resume): not our child, so only liveness can be seen.
-        try:
-            with open(f"/proc/{job['pid']}/stat") as f:
-                return "gone" if f.read().rsplit(")", 1)[1].split()[0] == "Z" else None
-        except FileNotFoundError:
+        # A job started by an earlier controller (resume): not our child, so only liveness can be seen, and the
+        # process must be the one started then (a pid can be reused by another process once it ended).
+        stat = _proc_stat(job["pid"])
+        if stat is None or stat[0] == "Z" or (job.get("started") is not None and stat[19] != job["started"]):
             return "gone"
+        return None
+
+    def find(self, args: list[str], run_dir: Path) -> dict[str, Any] | None:
+        """A live ``python -m kdsweep`` process of this trial (its command names the trial's run directory)."""
+        marker = f"hydra.run.dir={run_dir}".encode()
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if marker in argv and b"kdsweep" in argv and (stat := _proc_stat(int(entry.name))) and stat[0] != "Z":
+                return {"pid": int(entry.name), "started": stat[19], "logs": [str(run_dir / "job.log")]}
+        return None
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (state first; [19] is the start time), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def _proc_start(pid: int) -> str | None:
+    stat = _proc_stat(pid)
+    return stat[19] if stat else None
 
 
 @dataclass
@@ -96,6 +129,9 @@ def judge(run_dir: Path, exit_code: int | str, objectives: tuple[str, ...], atte
         return Outcome("PRUNED")
     if exit_code == "CANCELLED":  # by a user (scancel): not retried
         return Outcome("FAIL", reason="the SLURM job was cancelled (scancel)")
+    refused = next(filter(None, (_refusal(Path(p)) for p in reversed(logs))), "") if status is None else ""
+    if refused:  # it refused its input before writing a record (seen as "gone" when no controller watched it)
+        return Outcome("FAIL", reason=refused[:500])
     # a signal, or an end the job did not choose (vanished, cancelled, timed out, node failure) mid-run
     killed = (isinstance(exit_code, int) and exit_code < 0) or (isinstance(exit_code, str) and status in (None, "running", "preempted"))
     if killed or status == "preempted":
@@ -105,6 +141,14 @@ def judge(run_dir: Path, exit_code: int | str, objectives: tuple[str, ...], atte
     reason = (record.get("error") or next(filter(None, (_last_error_line(Path(p)) for p in reversed(logs))), "")
               or f"the job exited with {exit_code}")
     return Outcome("FAIL", reason=reason[:500])
+
+
+def _refusal(log_path: Path) -> str:
+    """The one line a job wrote when it refused its input (``kdsweep: error: ...``), or ""."""
+    if not log_path.exists():
+        return ""
+    return next((line.strip() for line in reversed(log_path.read_text(errors="replace").splitlines())
+                 if line.startswith("kdsweep: error:")), "")
 
 
 def _last_error_line(log_path: Path) -> str:
@@ -168,19 +212,25 @@ class Controller:
         from kdsweep.config.schema import ConfigError
 
         entry = self.manifest.trial(number)
+        attempts = entry.get("attempts", 0)
+        # the intent first: a controller that dies from here on finds the trial STARTING, and looks for its job
+        self.manifest.put(number, state="STARTING", job=None, attempts=attempts + 1,
+                          started=entry.get("started") or time.time())
+        crash_point("before_launch", number)
         try:
             job = self.backend.start(entry["args"], Path(entry["run_dir"]), alone=not self.cache_ready)
         except ConfigError as e:  # the scheduler refused this job: the trial fails, the sweep goes on ...
             self.start_failures += 1
-            self.manifest.put(number, job=None, attempts=entry.get("attempts", 0))
+            self.manifest.put(number, job=None, attempts=attempts)
             self._record(number, Outcome("FAIL", reason=str(e)), exit_code=None)
             if self.start_failures >= 3:  # ... unless nothing can start at all
                 raise ConfigError(f"{self.start_failures} trials in a row could not be submitted ({e}); fix it and "
                                   f"run `kdsweep resume {self.sweep_dir}`") from None
             return
+        crash_point("after_launch", number)
         self.start_failures = 0
-        self.manifest.put(number, state="RUNNING", job=job, attempts=entry.get("attempts", 0) + 1,
-                          started=entry.get("started") or time.time(), last_start=time.time())
+        self.manifest.put(number, state="RUNNING", job=job, last_start=time.time())
+        crash_point("after_write", number)
         log.info("trial %d started (%s): %s", number, job_name(job), " ".join(f"{k}={v}" for k, v in entry["params"].items()))
 
     def _save_asked(self, number: int, trial_id: int, params: dict[str, Any]) -> None:
@@ -246,10 +296,29 @@ class Controller:
         return 1
 
     # -- the loop ------------------------------------------------------------------------------------------
+    def _reconcile(self, number: int) -> None:
+        """A trial the last controller was starting when it died: adopt its job if it was launched (alive, or
+        ended with a record), else start it; either way it runs once."""
+        entry = self.manifest.trial(number)
+        job = self.backend.find(entry["args"], Path(entry["run_dir"]))
+        if job is not None:
+            self.manifest.put(number, state="RUNNING", job=job, last_start=time.time())
+            log.info("trial %d: adopted its job (%s), launched before the last controller died", number, job_name(job))
+            return
+        record = Path(entry["run_dir"]) / "run.json"
+        if record.exists():  # it ran, and ended while no controller watched: judge what it left
+            self.manifest.put(number, state="RUNNING", job={"logs": [str(Path(entry["run_dir"]) / "job.log")]})
+            self._finish(number, "gone")
+            return
+        self.manifest.put(number, attempts=max(0, entry.get("attempts", 1) - 1))  # it never started
+        self._start(number)
+
     def run(self) -> Manifest:
         for number, entry in sorted(self.manifest.trials.items(), key=lambda kv: int(kv[0])):
             if entry["state"] == "ASKED":  # the controller died between ask and start
                 self._start(int(number))
+            elif entry["state"] == "STARTING":
+                self._reconcile(int(number))
         while True:
             running = [int(n) for n, e in self.manifest.trials.items() if e["state"] == "RUNNING"]
             for number in running:
@@ -268,6 +337,16 @@ class Controller:
         for line in cost_lines(self.manifest.data["cost"]):
             log.info(line)
         return self.manifest
+
+
+CRASH_AT = "KDSWEEP_TEST_CRASH_AT"
+"""For tests: ``<point>`` or ``<point>:<trial>`` kills the controller (SIGKILL, as ``kill -9``) at that point of a
+trial's launch: before_launch, after_launch (before the manifest says so), after_write."""
+
+
+def crash_point(point: str, number: int) -> None:
+    if os.environ.get(CRASH_AT) in (point, f"{point}:{number}"):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def job_name(job: dict[str, Any] | None) -> str:

@@ -11,6 +11,7 @@ so a job that crashed, was cancelled or timed out is seen even when it wrote not
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
 import time
@@ -107,13 +108,19 @@ class SlurmJobs:
             raise ConfigError(f"SLURM refuses the trials' jobs ({lines[-1][:300]}); check hydra.launcher "
                               "(partition, time, resources)")
 
+    def job_name(self, run_dir: Path) -> str:
+        """The trial's SLURM job name: the study, the trial's number and its sweep (a resumed controller finds the
+        job by it, and never another sweep's)."""
+        sweep = hashlib.sha1(str(run_dir.parent.resolve()).encode()).hexdigest()[:8]
+        return f"{self.study_name}-{run_dir.name}-{sweep}"
+
     def start(self, args: list[str], run_dir: Path, alone: bool = False) -> dict[str, Any]:
         """Submit the trial's job (``alone`` changes nothing: a SLURM job has the resources its launcher names)."""
         import submitit
 
         self._executor = self._executor or executor_for(self.launcher)
         number = run_dir.name  # the trial's number
-        self._executor.update_parameters(name=f"{self.study_name}-{number}")
+        self._executor.update_parameters(name=self.job_name(run_dir))
         try:
             job = self._executor.submit(TrialJob(), args)
         except (subprocess.CalledProcessError, submitit.core.utils.FailedJobError) as e:
@@ -123,6 +130,24 @@ class SlurmJobs:
                               "check hydra.launcher (partition, time, resources)") from None
         self._when = 0.0  # see the new job at the next poll
         return {"slurm_job_id": str(job.job_id), "logs": [str(job.paths.stdout), str(job.paths.stderr)]}
+
+    def find(self, args: list[str], run_dir: Path) -> dict[str, Any] | None:
+        """The trial's job if SLURM has one (queued, running or ended), by its name: a controller that died between
+        submitting it and writing it down adopts it instead of submitting it again."""
+        import submitit
+
+        try:
+            out = subprocess.run(["sacct", "-X", "--parsable2", "--noheader", "-o", "JobID", "--name",
+                                  self.job_name(run_dir), "-S", "now-30days"], capture_output=True, text=True,
+                                 timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        ids = [line.strip() for line in out.stdout.splitlines() if line.strip()]
+        if out.returncode != 0 or not ids:
+            return None
+        paths = submitit.core.utils.JobPaths(self.launcher["submitit_folder"], job_id=ids[-1], task_id=0)
+        self._when = 0.0
+        return {"slurm_job_id": ids[-1], "logs": [str(paths.stdout), str(paths.stderr)]}
 
     def poll(self, job: dict[str, Any]) -> int | None | str:
         job_id = job["slurm_job_id"]

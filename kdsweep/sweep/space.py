@@ -88,8 +88,8 @@ def parse_space(params: dict[str, str]) -> list[Param]:
 
     if not params:
         raise ConfigError(
-            "hydra.sweeper.params is empty: nothing to search; give at least one, e.g. "
-            "hydra.sweeper.params.kd_ratio='interval(0.0,1.0)' (or pick hparams_search=kd_optuna)"
+            "hydra.sweeper.params is empty: nothing to search; give at least one on the command line, e.g. "
+            "kd_ratio='interval(0.0,1.0)' (or pick hparams_search=kd_optuna)"
         )
     parser = OverridesParser.create()
     space = []

@@ -149,20 +149,20 @@ def check_space(root: Path, positions: int, spec: Spec) -> None:
 
 
 class Progress:
-    """Rank 0's share of the build: every second at most, ``announce`` hears the seconds since the build began and
-    the seconds it should still take (from the pace so far)."""
+    """Rank 0's share of the build: every second at most, ``announce`` hears the seconds since the build began
+    (``began``: before the teacher loaded) and the seconds it should still take (at the pace of the writes so far)."""
 
-    def __init__(self, rows: int, announce: Callable[[dict[str, float]], None]) -> None:
-        self.rows, self.done, self.announce = max(rows, 1), 0, announce
-        self.started = self.last = time.perf_counter()
+    def __init__(self, rows: int, began: float, announce: Callable[[dict[str, float]], None]) -> None:
+        self.rows, self.done, self.began, self.announce = max(rows, 1), 0, began, announce
+        self.writing = self.last = time.perf_counter()
 
     def __call__(self, rows: int) -> None:
         self.done += rows
         now = time.perf_counter()
         if now - self.last >= 1.0 and self.done:
             self.last = now
-            elapsed = now - self.started
-            self.announce({"elapsed_s": elapsed, "eta_s": elapsed * (self.rows / self.done - 1)})
+            self.announce({"elapsed_s": now - self.began,
+                           "eta_s": (now - self.writing) * (self.rows / self.done - 1)})
 
 
 def ensure(root: Path, key: str, spec: Spec, splits: dict[str, Selection], load: Callable[[], nn.Module], dist: DistEnv,
@@ -184,7 +184,7 @@ def ensure(root: Path, key: str, spec: Spec, splits: dict[str, Selection], load:
         teacher = load()
         loaded = time.perf_counter() - t0
         mine = sum(-(-len(sel.selected) // dist.world_size) for sel in splits.values())
-        progress = Progress(mine, announce) if dist.is_main else (lambda rows: None)
+        progress = Progress(mine, t0, announce) if dist.is_main else (lambda rows: None)
         computed = sum(write_split(teacher, splits[s], s, spec, tmp, dist, device, batch_rows, ignore_index, progress)
                        for s in SPLITS)
         del teacher

