@@ -1,0 +1,158 @@
+"""The prepared GPU check: everything kdsweep needs measured on a GPU, in one command, within 8 minutes.
+
+    python benchmarks/gpu/check.py [--out benchmarks/results/gpu.json]   # on the GPU machine (benchmarks/gpu/run.sh)
+    python benchmarks/gpu/check.py --dry-run [--out F]                 # the same checks on the CPU, tiny shapes (CI)
+
+Each check has its own time budget (and the whole run one of 8 minutes); a check that cannot run records
+``skipped: <why>``, one that breaks records ``failed: <error>``, and the others go on. The JSON is rewritten after
+every check, so whatever ran is kept if the machine is taken back. The checks:
+
+1. ``peak_matmul``: the dense bf16 peak of this device, measured (the MFU's denominator).
+2. ``embedded``: the embedded default as whole ``python -m kdsweep`` processes: on the CPU (the reference, run
+   alongside), on the GPU in fp32 (objective within 1e-3 relative of the CPU's), with bf16 weights
+   (``train.dtype=bf16``, within 2%), with activation checkpointing, and with ``dist.compile=true`` (the first
+   step's extra time is the compile).
+3. ``fsdp``: a one-rank NCCL process group and FSDP2 on the GPU (kdsweep's own sharding), in fp32 and with bf16
+   mixed precision (``dist.mixed_precision``: only a sharded model has it), against the unsharded model.
+4. ``real_shapes``: a Llama-3.1-8B-shaped teacher and a Llama-3.2-1B-shaped student (random weights, bf16,
+   sequence 2048, vocabulary 128,256), LoRA rank 64 and full fine-tune, ``loss.impl`` chunked and fused: tokens/s,
+   step time, peak memory and MFU of ``train_step``; and the loss alone (the output layer and the KD loss, forward
+   and backward) of chunked vs fused: its peak memory and time.
+5. ``max_micro_batch``: the largest micro-batch that fits, chunked vs fused (LoRA).
+6. ``teacher_cache``: the cache's build throughput (teacher tokens/s) with the 8B teacher, and a cached LoRA
+   trial's step time on the same shapes.
+
+FLOPs (stated in the JSON): a linear layer costs 2 FLOPs per weight per token forward; attention 4 × layers × seq
+× hidden per token forward (scores and values over the full row: the PaLM/Megatron convention; a causal kernel does
+about half, so ``mfu_causal`` is given too). Teacher: forward only. Student: forward + backward, where backward is 2×
+forward for a full fine-tune and, with LoRA, 1× forward for the frozen weights (input gradients only) plus 2× for the
+adapters and attention. Embedding lookups cost nothing. Activation checkpointing's recomputation is not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path[:0] = [str(REPO), str(HERE)]
+
+from budget import Budget, Skip  # noqa: E402
+import fsdp_check  # noqa: E402  (benchmarks/gpu/fsdp_check.py: one rank, sharded)
+import processes  # noqa: E402  (benchmarks/gpu/processes.py: the whole-process checks)
+import shapes  # noqa: E402  (benchmarks/gpu/shapes.py: the in-process model checks)
+
+TOTAL_S = 480.0
+BUDGETS = {"peak_matmul": 20, "embedded": 200, "fsdp": 45, "real_shapes": 120, "max_micro_batch": 60, "teacher_cache": 45}
+
+
+class Report:
+    """The results, rewritten to every ``paths`` after each check."""
+
+    def __init__(self, paths: list[Path], meta: dict[str, Any]) -> None:
+        self.paths, self.data = paths, {"meta": meta, "checks": {}}
+        self.started = time.monotonic()
+        self.deadline = self.started + TOTAL_S
+
+    def run(self, name: str, check: Callable[[Budget], dict[str, Any]]) -> None:
+        t0 = time.monotonic()
+        print(f"== {name} (budget {BUDGETS[name]} s, {self.deadline - t0:.0f} s left in all)", flush=True)
+        try:
+            if self.deadline - t0 < 5:
+                raise Skip("the run's 8 minutes are spent")
+            result = {"status": "ok", **check(Budget(BUDGETS[name], self.deadline))}
+        except Skip as e:
+            result = {"status": f"skipped: {e}"}
+        except Exception as e:  # one broken check must not cost the others
+            traceback.print_exc()
+            result = {"status": f"failed: {type(e).__name__}: {str(e)[:500]}"}
+        result["seconds"] = round(time.monotonic() - t0, 1)
+        self.data["checks"][name] = result
+        self.data["meta"]["total_s"] = round(time.monotonic() - self.started, 1)
+        self.save()
+        print(f"   {name}: {result['status']} in {result['seconds']} s", flush=True)
+
+    def save(self) -> None:
+        text = json.dumps(self.data, indent=1, default=str)
+        for path in self.paths:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(text)
+            tmp.replace(path)
+
+
+def table(data: dict[str, Any]) -> str:
+    """The figures a reader looks for, one line each."""
+    lines = [f"{'check':<16} {'status':<10} {'figures'}"]
+    for name, r in data["checks"].items():
+        status = r["status"] if r["status"] == "ok" else r["status"][:60]
+        lines.append(f"{name:<16} {status:<10} {r.get('summary', '')}")
+        for row in r.get("rows", []):
+            lines.append(f"{'':<16} {'':<10} {row}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dry-run", action="store_true", help="the same checks on the CPU with tiny shapes")
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gpu.json")
+    ap.add_argument("--only", nargs="*", default=None, help="run only these checks")
+    args = ap.parse_args()
+
+    import torch
+
+    dry = args.dry_run
+    if not dry and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run on the GPU machine, or pass --dry-run")
+    device = torch.device("cpu" if dry else "cuda")
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "dry_run": dry,
+            "host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            "flops_convention": __doc__.split("FLOPs (stated in the JSON): ")[1].strip()}
+    try:
+        import transformers
+
+        meta["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    paths = [args.out] + ([Path(os.environ["OUT"]) / "gpu.json"] if os.environ.get("OUT") else [])
+    report = Report(paths, meta)
+    work = Path(os.environ.get("GPU_CHECK_WORK") or (REPO / "artifacts" / "gpu_check"))
+    work.mkdir(parents=True, exist_ok=True)
+    sizes = shapes.TINY if dry else shapes.REAL
+    peak: dict[str, float] = {}
+
+    def peak_matmul(budget: Budget) -> dict[str, Any]:
+        r = shapes.peak_matmul(device, budget)
+        peak["flops"] = r["flops_per_s"]
+        return r
+
+    checks: dict[str, Callable[[Budget], dict[str, Any]]] = {
+        "peak_matmul": peak_matmul,
+        "embedded": lambda b: processes.embedded(work, dry, b),
+        "fsdp": lambda b: fsdp_check.fsdp(device, b),
+        "real_shapes": lambda b: shapes.real_shapes(sizes, device, peak.get("flops"), b),
+        "max_micro_batch": lambda b: shapes.max_micro_batch(sizes, device, b),
+        "teacher_cache": lambda b: shapes.teacher_cache(sizes, device, work, b),
+    }
+    for name, check in checks.items():
+        if args.only is None or name in args.only:
+            report.run(name, check)
+    print(table(report.data), flush=True)
+    print(f"results: {', '.join(map(str, paths))}", flush=True)
+    failed = [n for n, r in report.data["checks"].items() if r["status"].startswith("failed")]
+    if dry and failed:
+        raise SystemExit(f"dry run: {', '.join(failed)} failed")
+
+
+if __name__ == "__main__":
+    main()
