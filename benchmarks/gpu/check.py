@@ -10,8 +10,8 @@ every check, so whatever ran is kept if the machine is taken back. The checks:
 1. ``peak_matmul``: the dense bf16 peak of this device, measured (the MFU's denominator).
 2. ``embedded``: the embedded default as whole ``python -m kdsweep`` processes: on the CPU (the reference, run
    alongside), on the GPU in fp32 (objective within 1e-3 relative of the CPU's), with bf16 weights
-   (``train.dtype=bf16``, within 2%), with activation checkpointing, and with ``dist.compile=true`` (the first
-   step's extra time is the compile).
+   (``train.dtype=bf16``, within 2%), with activation checkpointing, with ``dist.compile=true`` (the first
+   step's extra time is the compile) and with the ``dist=fsdp2_gpu_bf16`` preset as a one-GPU job takes it.
 3. ``fsdp``: a one-rank NCCL process group and FSDP2 on the GPU (kdsweep's own sharding), in fp32 and with bf16
    mixed precision (``dist.mixed_precision``: only a sharded model has it), against the unsharded model.
 4. ``real_shapes``: a Llama-3.1-8B-shaped teacher and a Llama-3.2-1B-shaped student (random weights, bf16,

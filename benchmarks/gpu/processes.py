@@ -1,5 +1,6 @@
 """The GPU check's whole-process part: the embedded default as ``python -m kdsweep`` jobs, on the CPU (the
-reference, run alongside) and on the device in fp32, with bf16 weights, with activation checkpointing and compiled."""
+reference, run alongside) and on the device in fp32, with bf16 weights, with activation checkpointing, compiled,
+and with the ``dist=fsdp2_gpu_bf16`` preset."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ ARMS = {  # arm -> (overrides, the objective's tolerance relative to the CPU's)
     "bf16_weights": (["train.dtype=bf16"], 0.02),
     "activation_checkpointing": (["dist.activation_checkpointing=true"], 1e-3),
     "compile": (["dist.compile=true"], 1e-3),
+    "preset_fsdp2_gpu_bf16": (["dist=fsdp2_gpu_bf16"], 1e-3),  # the GPU preset as a one-GPU job takes it
 }
 QUIET = ["logger=quiet", "checkpoint.save_every=0", "checkpoint.export_merged=false", "checkpoint.export_adapter=false"]
 
