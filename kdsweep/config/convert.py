@@ -10,9 +10,10 @@ from typing import Any
 from kdsweep.config.schema import ConfigError, RunConfig
 
 # Top-level sweep knobs: the config tree interpolates them into their sections (loss.kd_ratio, optim.lr,
-# model.lora_rank), so the typed config holds each value in exactly one place.
-SWEEP_KNOBS = ("kd_ratio", "lr", "lora_rank")
-KNOB_TARGETS = {"kd_ratio": ("loss", "kd_ratio"), "lr": ("optim", "lr"), "lora_rank": ("model", "lora_rank")}
+# model.lora_rank, rollout.lmbda), so the typed config holds each value in exactly one place.
+SWEEP_KNOBS = ("kd_ratio", "lr", "lora_rank", "lmbda")
+KNOB_TARGETS = {"kd_ratio": ("loss", "kd_ratio"), "lr": ("optim", "lr"), "lora_rank": ("model", "lora_rank"),
+                "lmbda": ("rollout", "lmbda")}
 # Keys the Hydra app adds beside the run config; they are not part of it.
 IGNORED_KEYS = ("hydra",)
 

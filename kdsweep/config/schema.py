@@ -478,6 +478,40 @@ class DistConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """On-policy and sequence-level distillation (kdsweep.rollout): which steps train on completions generated
+    during the run instead of the data's own, as GKD (Agarwal et al., 2024) and TRL's GKDTrainer define them."""
+
+    lmbda: float = 0.0
+    """GKD's λ: the fraction of optimizer steps (drawn by seed, the same on every rank) whose prompts the student
+    completes; the loss is taken on the generated tokens only, and only its KD term (the student's own samples are
+    no gold labels). Set from the top-level knob ``lmbda``. 0 = the data only."""
+    seq_kd: bool = False
+    """Sequence-level KD: on the other steps the teacher completes the prompts, and its completions are trained on
+    as labels (cross-entropy and KD, as ``kd_ratio`` mixes them)."""
+    max_new_tokens: int = 32
+    """Tokens generated per prompt at most (generation stops at EOS); prompt + completion fit in data.seq_len."""
+    temperature: float = 1.0
+    """Sampling temperature of the generation (> 0; 1 samples the model's own distribution)."""
+    top_p: float = 1.0
+    """Nucleus sampling: draw from the smallest set of tokens holding this much probability; 1 = all."""
+    seed: int = 0
+    """Seed of which steps generate and of every draw (each prompt's own stream: the same on any number of ranks)."""
+
+    @property
+    def active(self) -> bool:
+        return self.lmbda > 0 or self.seq_kd
+
+    def __post_init__(self) -> None:
+        _check(0.0 <= self.lmbda <= 1.0, f"rollout.lmbda={self.lmbda} is outside [0, 1]; pass lmbda=<value in [0, 1]> "
+               "(0 = the data only, 1 = every step on the student's own completions)")
+        _check(self.max_new_tokens > 0, f"rollout.max_new_tokens={self.max_new_tokens} must be > 0; pass "
+               "rollout.max_new_tokens=32 (or another positive count)")
+        _check(self.temperature > 0, f"rollout.temperature={self.temperature} must be > 0; pass rollout.temperature=1.0")
+        _check(0.0 < self.top_p <= 1.0, f"rollout.top_p={self.top_p} must be in (0, 1]; pass rollout.top_p=1.0")
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrialConfig:
     """Set by the sweep controller on the jobs it starts; empty for a plain run."""
 
@@ -508,11 +542,13 @@ class RunConfig:
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trial: TrialConfig = field(default_factory=TrialConfig)
 
     def __post_init__(self) -> None:
         _check(bool(self.output_dir), "output_dir is empty; pass hydra.run.dir=<directory>")
         self._check_cache()
+        self._check_rollout()
         pr = self.profiler
         _check(
             not pr.enabled or pr.wait + pr.warmup + pr.active <= self.train.max_steps,
@@ -544,6 +580,23 @@ class RunConfig:
             f"{c.method} targets taken at one temperature are not the teacher at another; set "
             f"teacher.cache.temperature=null (the loss's), or use teacher.cache.method=full (logits: any temperature)",
         )
+
+    def _check_rollout(self) -> None:
+        """What generation needs from the data and the teacher: one line naming what would work."""
+        r, d = self.rollout, self.data
+        if not r.active:
+            return
+        knob = f"lmbda={r.lmbda}" if r.lmbda > 0 else "rollout.seq_kd=true"
+        texts = [ds for ds in d.datasets if ds.format == "text"]
+        _check(bool(d.datasets) and not texts and d.sequences != "stream",
+               f"{knob} needs prompts to complete, and text data has none; use data=instruction or data=chat "
+               "(prompts: instructions, or a chat's last assistant turn), or pass lmbda=0 rollout.seq_kd=false")
+        _check(self.teacher.logits == "live",
+               f"{knob} needs the teacher on generated tokens, and teacher.logits=cache holds only the fixed data's; "
+               "pass teacher.logits=live")
+        _check(r.max_new_tokens < d.seq_len,
+               f"rollout.max_new_tokens={r.max_new_tokens} leaves no room for a prompt in data.seq_len={d.seq_len}; "
+               f"pass rollout.max_new_tokens=<less than {d.seq_len}>")
 
     def check_world_size(self, world_size: int) -> None:
         """The global batch must split evenly into micro-batches on every rank."""

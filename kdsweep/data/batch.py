@@ -25,6 +25,13 @@ class Batch:
     rows: torch.Tensor | None = None
     """``[B]`` (on the CPU) the indices of these rows in their split, for whatever was computed per row beforehand
     (a teacher-logit cache)."""
+    own_samples: bool = False
+    """The labels are tokens the student sampled itself (kdsweep.rollout): no gold labels, so only the KD term
+    trains on them."""
+
+    def kd_weight(self, kd_ratio: float) -> float:
+        """The KD term's weight in this batch's loss: ``loss.kd_ratio``, or all of it on the student's own samples."""
+        return 1.0 if self.own_samples else kd_ratio
 
     def inputs(self) -> dict[str, Any]:
         """Keyword arguments of the models' forward. ``use_cache=False`` always: with a KV cache transformers does
@@ -35,4 +42,4 @@ class Batch:
     def to(self, device: torch.device) -> "Batch":
         move = lambda t: None if t is None else t.to(device, non_blocking=True)
         return Batch(move(self.input_ids), move(self.labels), move(self.position_ids), move(self.attention_mask),
-                     self.rows)
+                     self.rows, self.own_samples)

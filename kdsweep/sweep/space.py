@@ -22,7 +22,7 @@ from kdsweep.config.convert import SWEEP_KNOBS
 from kdsweep.config.schema import ConfigError, RunConfig
 
 # Where the top-level knobs land in the typed config (they are interpolated there).
-KNOB_FIELDS = {"kd_ratio": "loss.kd_ratio", "lr": "optim.lr", "lora_rank": "model.lora_rank"}
+KNOB_FIELDS = {"kd_ratio": "loss.kd_ratio", "lr": "optim.lr", "lora_rank": "model.lora_rank", "lmbda": "rollout.lmbda"}
 assert set(KNOB_FIELDS) == set(SWEEP_KNOBS)
 _INT = re.compile(r"^[+-]?\d+$")
 

@@ -13,7 +13,8 @@ import torch
 
 from kdsweep.checkpoint import export as exporting
 from kdsweep.checkpoint import steps as checkpoints
-from kdsweep.config.schema import ConfigError, DataConfig, DistConfig, RunConfig, StudentConfig, TeacherCacheConfig
+from kdsweep.config.schema import (ConfigError, DataConfig, DistConfig, RolloutConfig, RunConfig, StudentConfig,
+                                   TeacherCacheConfig)
 from kdsweep.data.dataset import data_key, load_data
 from kdsweep.data.rows import Rows
 from kdsweep.data.sampling import StepSampler
@@ -25,6 +26,7 @@ from kdsweep.teacher.job import open_teacher
 from kdsweep.train.baseline import baseline, baseline_path
 from kdsweep.train.profile import step_profiler
 from kdsweep.models.load import load_student, load_tokenizer, resolve_dir, unsharded_on_rank0
+from kdsweep.rollout import open_rollout
 from kdsweep.train import schedule
 from kdsweep.train.step import Batch, EvalResult, evaluate, train_step
 
@@ -113,6 +115,10 @@ def _warn_idle_knobs(cfg: RunConfig, dist: DistEnv) -> None:
     for knob in (k for k in idle if changed(cache, default, k)):
         why = "teacher.logits=live" if cfg.teacher.logits == "live" else f"teacher.cache.method={cache.method}"
         log.warning("teacher.cache.%s=%s has no effect with %s", knob, getattr(cache, knob), why)
+    if not cfg.rollout.active:
+        for knob in ("max_new_tokens", "temperature", "top_p", "seed"):
+            if changed(cfg.rollout, RolloutConfig(), knob):
+                log.warning("rollout.%s has no effect with lmbda=0 and rollout.seq_kd=false (nothing is generated)", knob)
     if cfg.data.eval_datasets and changed(cfg.data, DataConfig(), "eval_fraction"):
         log.warning("data.eval_fraction has no effect: data.eval_datasets are the held-out set")
 
@@ -258,6 +264,7 @@ def _train(
     t0 = time.perf_counter()
     student = load_student(student_dir, cfg.model, dtype, device, cfg.train.seed, dist, cfg.dist)
     timings["student_s"] = time.perf_counter() - t0
+    rollout = open_rollout(cfg, student, teacher.train, tokenizer, dist, device)
 
     torch.manual_seed(cfg.train.seed + dist.rank)  # dropout: each rank its own stream, as each has its own data
     o = cfg.optim
@@ -309,7 +316,7 @@ def _train(
         while step < cfg.train.max_steps:
             t_step = time.perf_counter()
             shares = sampler.rank_micro_batches(step, dist.rank, dist.world_size, d.micro_batch_size)
-            micro = [train_rows.batch(idx).to(device) for idx in shares]
+            micro = rollout.batches(step, [train_rows.batch(idx).to(device) for idx in shares])
             local_tokens = sum(int(train_rows.tokens[idx].sum()) for idx in shares)  # non-padding inputs
             meter.step(local_tokens)
             stats = train_step(
@@ -331,6 +338,7 @@ def _train(
                     "step_s": elapsed,
                     "peak_mem_mb": max(peaks),
                     "peak_mem_mb_per_rank": peaks,
+                    **rollout.report(elapsed),
                 })
             pruned = False
             if step % cfg.train.eval_every == 0 and step < cfg.train.max_steps:

@@ -40,14 +40,15 @@ def micro_batch_backward(student: nn.Module, teacher: TeacherSource, batch: Batc
     through the output layer chunk by chunk (fused: the B×T×V logits never exist)."""
     kw = {"divergence": loss_cfg.divergence, "beta": loss_cfg.beta, "temperature": loss_cfg.temperature,
           "ignore_index": loss_cfg.ignore_index}
+    kd_ratio = batch.kd_weight(loss_cfg.kd_ratio)
     with teacher.targets(batch) as targets:
         if loss_cfg.impl == "fused":
-            sums, mixed = fused_loss_sums(student, batch.inputs(), targets, batch.labels, kd_ratio=loss_cfg.kd_ratio,
+            sums, mixed = fused_loss_sums(student, batch.inputs(), targets, batch.labels, kd_ratio=kd_ratio,
                                           num_chunks=loss_cfg.chunks, **kw)
         else:
             sums = kd_loss_sums(student(**batch.inputs()).logits, targets, batch.labels, num_chunks=loss_cfg.chunks,
                                 **kw)
-            mixed = sums.total(loss_cfg.kd_ratio)
+            mixed = sums.total(kd_ratio)
         (mixed * scale).backward()
     return LossSums(*(t.detach() for t in sums))
 
@@ -105,7 +106,7 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     dist.all_reduce_sum(totals)
     ce, kd, kl = (totals / global_tokens.clamp_min(1.0)).tolist()  # host syncs only here, after the optimizer step
-    r = loss_cfg.kd_ratio
+    r = micro_batches[0].kd_weight(loss_cfg.kd_ratio)  # a step's micro-batches are all data or all generated
     return StepStats(
         loss=(1 - r) * ce + r * kd, ce=ce, kd=kd, kl=kl, tokens=int(global_tokens.item()), grad_norm=float(grad_norm), lr=lr
     )

@@ -15,7 +15,8 @@ EXPERIMENTS = sorted(p.stem for p in (Path(conf_dir()) / "experiment").glob("*.y
 # Options that need a value only the user can give.
 ONE = ["data.datasets.0.path=/data/train.jsonl"]
 REQUIRED = {("data", "text"): ONE, ("data", "instruction"): ONE, ("data", "chat"): ONE,
-            ("data", "mixture"): [*ONE, "data.datasets.1.path=/data/chats.parquet"]}
+            ("data", "mixture"): [*ONE, "data.datasets.1.path=/data/chats.parquet"],
+            ("rollout", "on_policy"): ["data=instruction", *ONE], ("rollout", "seq_kd"): ["data=instruction", *ONE]}
 
 
 def convert(overrides):
@@ -27,7 +28,8 @@ def convert(overrides):
 
 
 def test_every_group_has_options():
-    assert set(GROUPS) == {"model", "teacher", "data", "loss", "optim", "train", "logger", "checkpoint", "dist", "cluster", "hparams_search", "profiler"}
+    assert set(GROUPS) == {"model", "teacher", "data", "loss", "optim", "train", "logger", "checkpoint", "dist", "cluster", "hparams_search", "profiler",
+                           "rollout"}
     assert all(sum(1 for g, _ in OPTIONS if g == group) >= 2 for group in GROUPS)
 
 
