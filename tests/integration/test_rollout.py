@@ -140,3 +140,37 @@ def test_a_rollout_knob_that_does_nothing_is_a_warning(tmp_path):
     log = (run_dir / "kdsweep.log").read_text()
     assert "rollout.temperature has no effect with lmbda=0" in log and "rollout.top_p" not in log
     assert {r.get("rollout") for r in train_lines(run_dir)} == {None}  # nothing generated, nothing logged about it
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant> {% endif %}")
+
+
+def test_a_chat_s_last_assistant_turn_is_what_gets_regenerated(tmp_path, zoo_dirs):
+    from hydra import compose, initialize_config_dir
+
+    from kdsweep.app import conf_dir, validate_composed
+    from kdsweep.data.dataset import load_data
+    from kdsweep.models.load import load_tokenizer
+    from kdsweep.rollout.prompts import prompts_of
+
+    sentences = [s for s in re.split(r"(?<=[.;:])\s+", CORPUS.read_text().splitlines()[3]) if 4 <= len(s.split()) <= 20]
+    chats = [{"messages": [{"role": "user", "content": a}, {"role": "assistant", "content": b},
+                           {"role": "user", "content": c}, {"role": "assistant", "content": d}]}
+             for a, b, c, d in zip(sentences, sentences[1:], sentences[2:], sentences[3:])]
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats * 4))
+    (tmp_path / "chat.jinja").write_text(CHAT_TEMPLATE)
+    chat = ["data=chat", f"data.datasets.0.path={tmp_path / 'chats.jsonl'}", f"data.chat_template={tmp_path / 'chat.jinja'}"]
+
+    with initialize_config_dir(config_dir=conf_dir(), version_base=None):
+        cfg = validate_composed(compose(config_name="config", overrides=[*chat, *SHORT[:-1], "lmbda=1"]), str(tmp_path))
+    tokenizer = load_tokenizer(zoo_dirs["student"])
+    rows = load_data(cfg.data, tokenizer, zoo_dirs["student"]).train
+    prompts = prompts_of(rows.batch([0]), cfg.loss.ignore_index, room=10_000)
+    texts = [tokenizer.decode(p.ids) for p in prompts]
+    assert texts and all(t.rstrip().endswith("<assistant>") and t.count("<assistant>") == 2 for t in texts), texts
+
+    run_dir = tmp_path / "run"
+    kdsweep(*chat, *SHORT, "train.max_steps=2", "lmbda=1", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    lines = train_lines(run_dir)
+    assert [r["rollout"] for r in lines] == ["student"] * 2 and all(r["tokens"] == r["generated_tokens"] for r in lines)
