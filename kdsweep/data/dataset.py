@@ -140,14 +140,18 @@ def build(cfg: DataConfig, tokenizer: Any, ignore_index: int) -> tuple[Rows, Row
     for info, part in zip(eval_info, eval_parts):
         info.update(samples=len(part), share=len(part) / max(1, len(eval_samples)))
 
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    train, train_stats = make_rows(train_samples, cfg, pad_id, ignore_index)
-    held, eval_stats = make_rows(eval_samples, cfg, pad_id, ignore_index)
+    train, train_stats = make_rows(train_samples, cfg, pad_id(tokenizer), ignore_index)
+    held, eval_stats = make_rows(eval_samples, cfg, pad_id(tokenizer), ignore_index)
     for split, rows, stats in (("training", train, train_stats), ("eval", held, eval_stats)):
         if len(rows) == 0:
             raise ConfigError(f"data: the {split} split makes no rows of data.seq_len={cfg.seq_len} tokens; "
                               + no_rows_fix(cfg, stats, train_stats["tokens"], eval_stats["tokens"]))
     return train, held, {"train": {**train_stats, "sources": train_info}, "eval": {**eval_stats, "sources": eval_info}}
+
+
+def pad_id(tokenizer: Any) -> int:
+    """What fills rows past their end: the tokenizer's pad token, or EOS when it has none."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
 def no_rows_fix(cfg: DataConfig, stats: dict[str, Any], train_tokens: int, eval_tokens: int) -> str:

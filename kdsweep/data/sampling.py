@@ -7,7 +7,15 @@ batch (hence the loss and the gradients) does not depend on how many ranks or mi
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
+
+
+def stream_seed(*parts: object) -> int:
+    """A seed for one item's own random stream (a cached row's draws, a prompt's completion), from what names it:
+    the same in any process, on any rank, whatever else is drawn."""
+    return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:7], "big")
 
 
 class StepSampler:

@@ -14,10 +14,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-
-def _causal_lm(model: nn.Module) -> nn.Module:
-    """The transformers *ForCausalLM inside a peft wrapper (or the model itself)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
+from kdsweep.distributed.fsdp import hf_model
 
 
 def output_layer(model: nn.Module) -> nn.Module:
@@ -26,12 +23,12 @@ def output_layer(model: nn.Module) -> nn.Module:
     from kdsweep.config.schema import ConfigError
     from kdsweep.models.check import LOGIT_TRANSFORMS  # preflight refuses these first, from config.json
 
-    config = getattr(_causal_lm(model), "config", None)
+    config = getattr(hf_model(model), "config", None)
     for name in LOGIT_TRANSFORMS:
         if getattr(config, name, None) not in (None, 1, 1.0):
-            raise ConfigError(f"loss.impl=fused: {type(_causal_lm(model)).__name__} applies {name}="
+            raise ConfigError(f"loss.impl=fused: {type(hf_model(model)).__name__} applies {name}="
                               f"{getattr(config, name)} to its logits after the output layer; use loss.impl=chunked")
-    return _causal_lm(model).get_output_embeddings()
+    return hf_model(model).get_output_embeddings()
 
 
 def projection(layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:

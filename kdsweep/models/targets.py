@@ -22,6 +22,7 @@ from pathlib import Path
 from torch import nn
 
 from kdsweep.config.schema import ConfigError
+from kdsweep.distributed.fsdp import hf_model
 
 PRESETS = ("all-linear", "attention", "mlp")
 _BLOCKS = {"attention": ("attn", "attention"), "mlp": ("mlp", "feed_forward", "ffn")}
@@ -102,8 +103,7 @@ def adapted(model: nn.Module) -> list[str]:
     """Full names (in the plain model) of the modules that carry a LoRA adapter."""
     from peft.tuners.lora import LoraLayer
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return [name for name, m in base.named_modules() if isinstance(m, LoraLayer)]
+    return [name for name, m in hf_model(model).named_modules() if isinstance(m, LoraLayer)]
 
 
 def describe(names: list[str]) -> str:

@@ -21,7 +21,10 @@ from torch import nn
 from kdsweep.config.schema import RolloutConfig, RunConfig
 from kdsweep.data.batch import Batch
 from kdsweep.distributed import DistEnv
-from kdsweep.rollout.generate import complete, prompt_seed
+from kdsweep.data.dataset import pad_id
+from kdsweep.data.sampling import stream_seed
+from kdsweep.distributed.fsdp import hf_model
+from kdsweep.rollout.generate import complete
 from kdsweep.rollout.prompts import completion_batch, empty_batch, prompts_of
 
 
@@ -37,8 +40,7 @@ class OffPolicy:
 
 def stop_ids(model: nn.Module, tokenizer: Any) -> set[int]:
     """EOS, and whatever else the model's generation config ends a turn with (chat models' end-of-turn tokens)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    configured = getattr(getattr(base, "generation_config", None), "eos_token_id", None)
+    configured = getattr(getattr(hf_model(model), "generation_config", None), "eos_token_id", None)
     extra = configured if isinstance(configured, list) else [configured]
     return {tokenizer.eos_token_id, *(t for t in extra if t is not None)}
 
@@ -58,7 +60,7 @@ class Rollout:
                  device: torch.device) -> None:
         self.cfg, self.r, self.dist, self.device = cfg, cfg.rollout, dist, device
         self.models = {"student": student, "teacher": teacher}
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_id = pad_id(tokenizer)
         self.stops = stop_ids(student, tokenizer)
         self.vocab = len(tokenizer)
         self.stats: dict[str, Any] = {}
@@ -73,7 +75,7 @@ class Rollout:
         out, made = [], []
         for batch in micro:
             prompts = prompts_of(batch, ignore, room)
-            seeds = [prompt_seed(self.r.seed, step, p.key) for p in prompts]
+            seeds = [stream_seed(self.r.seed, step, p.key) for p in prompts]
             completions = complete(self.models[who], [p.ids for p in prompts], seeds,
                                    max_new_tokens=self.r.max_new_tokens, temperature=self.r.temperature,
                                    top_p=self.r.top_p, stop_ids=self.stops, pad_id=self.pad_id, vocab=self.vocab,

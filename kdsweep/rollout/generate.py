@@ -6,23 +6,18 @@ rank completes it and whatever else is in its batch.
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 
 import torch
 from torch import nn
 
 from kdsweep.distributed import DistEnv
-
-
-def prompt_seed(seed: int, step: int, key: str) -> int:
-    return int.from_bytes(hashlib.sha256(f"{seed}:{step}:{key}".encode()).digest()[:7], "big")
+from kdsweep.distributed.fsdp import hf_model
 
 
 def cache_argument(model: nn.Module) -> str:
     """What the model's forward calls its KV cache: ``cache`` (transformers 5.2x), ``past_key_values`` before."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "cache" if "cache" in inspect.signature(type(base).forward).parameters else "past_key_values"
+    return "cache" if "cache" in inspect.signature(type(hf_model(model)).forward).parameters else "past_key_values"
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, generators: list[torch.Generator]) -> torch.Tensor:

@@ -10,11 +10,11 @@ how many ranks built it, nor on how its rows were batched.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
@@ -22,11 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dataclasses import dataclass
-
 from kdsweep.config.schema import ConfigError
 from kdsweep.data.cache import built_once
 from kdsweep.data.rows import Rows
+from kdsweep.data.sampling import stream_seed
 from kdsweep.distributed import DistEnv
 from kdsweep.teacher.cache import CACHE_VERSION, SPLITS, Spec
 from kdsweep.teacher.check import size
@@ -57,11 +56,6 @@ class Selection:
 def share(n: int, rank: int, world: int) -> tuple[int, int]:
     """Rows ``[start, end)`` of rank ``rank``: contiguous, sizes differing by at most one."""
     return n * rank // world, n * (rank + 1) // world
-
-
-def row_seed(seed: int, split: str, row: int) -> int:
-    """The seed of one row's draws: the same whichever rank draws it."""
-    return int.from_bytes(hashlib.sha256(f"{seed}:{split}:{row}".encode()).digest()[:7], "big")
 
 
 def row_targets(logits: torch.Tensor, labels: torch.Tensor, spec: Spec, ignore_index: int,
@@ -115,7 +109,7 @@ def write_split(teacher: nn.Module, sel: Selection, split: str, spec: Spec, out:
             for r, row in enumerate(idx):
                 length = int(sel.rows.offsets[row + 1] - sel.rows.offsets[row])
                 if generator is not None:
-                    generator.manual_seed(row_seed(spec.seed, split, row))
+                    generator.manual_seed(stream_seed(spec.seed, split, row))  # any rank: the same draws
                 fields = row_targets(logits[r, :length], batch.labels[r, :length], spec, ignore_index, generator)
                 for name, values in fields.items():
                     _write(files[name], values)

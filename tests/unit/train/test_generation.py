@@ -15,7 +15,8 @@ from kdsweep.config.schema import LossConfig
 from kdsweep.data.rows import Rows
 from kdsweep.distributed import single_process
 from kdsweep.losses import kd_loss_sums
-from kdsweep.rollout.generate import complete, prompt_seed, sample
+from kdsweep.data.sampling import stream_seed
+from kdsweep.rollout.generate import complete, sample
 from kdsweep.rollout.prompts import completion_batch, prompts_of
 from kdsweep.teacher.live import LiveTeacher
 from kdsweep.train.step import micro_batch_backward
@@ -64,7 +65,7 @@ def test_a_prompt_s_completion_does_not_depend_on_its_batch_and_stops_at_eos():
     kw = dict(max_new_tokens=12, temperature=1.0, top_p=1.0, stop_ids={EOS}, pad_id=PAD, vocab=40,
               device=torch.device("cpu"), dist=single_process())
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [20]]
-    seeds = [prompt_seed(0, 3, str(i)) for i in range(3)]
+    seeds = [stream_seed(0, 3, str(i)) for i in range(3)]
     together = complete(model, prompts, seeds, **kw)
     alone = [complete(model, [p], [s], **kw)[0] for p, s in zip(prompts, seeds)]
     assert together == alone and model.training  # left as it was found (train mode)
