@@ -121,11 +121,11 @@ def teacher(sizes: Sizes, device: torch.device) -> nn.Module:
 def student(sizes: Sizes, device: torch.device, lora: bool) -> nn.Module:
     """The student as ``load_student`` makes it: kdsweep's LoRA wrapping (all-linear) or fully trainable."""
     from kdsweep.config.schema import StudentConfig
-    from kdsweep.models.load import _lora_wrapper
+    from kdsweep.models.load import student_wrapper
 
     rank = sizes.lora_rank if lora else 0
     cfg = StudentConfig(zoo="tiny-student", lora_rank=rank, lora_alpha=2.0 * max(rank, 1))
-    return _lora_wrapper(cfg, seed=0)(llama(sizes.student, sizes, device))
+    return student_wrapper(cfg, seed=0)(llama(sizes.student, sizes, device))
 
 
 def rows(n: int, sizes: Sizes, seed: int = 0):

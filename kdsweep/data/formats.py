@@ -11,12 +11,13 @@ Formats (``FormatSpec.kind``):
 * ``instruction`` (alpaca-style): the prompt is rendered with :data:`INSTRUCTION_TEMPLATE` (or
   :data:`INSTRUCTION_TEMPLATE_NO_INPUT` when the input is empty); the response ``row[output_column]`` + EOS is
   trained on, the prompt masked. Prompt and response are tokenized separately, so the boundary is exact.
-* ``chat``: ``row[messages_column]`` is a list of ``{"role", "content"}`` messages rendered by the tokenizer's own
-  chat template (or ``FormatSpec.chat_template``). Assistant turns are trained on, everything else masked. An
-  assistant turn ``i`` spans the characters between ``render(messages[:i], add_generation_prompt=True)`` and
-  ``render(messages[:i+1])`` (its content and end-of-turn marker); tokens that overlap that span are kept
-  (offsets of a fast tokenizer), as transformers' ``{% generation %}`` masks do. A template whose shorter renders are not prefixes of the full one
-  (e.g. one that rewrites earlier turns) is refused with one line.
+* ``chat``: ``row[messages_column]`` is a list of ``{"role", "content"}`` messages (an assistant message may also
+  carry ``reasoning_content``) rendered by the tokenizer's own chat template (or ``FormatSpec.chat_template``), as
+  the family ships it. Assistant turns are trained on, everything else masked. Each turn is located in the
+  rendering of the whole conversation (:mod:`kdsweep.data.chat`): from where generation starts to its end-of-turn
+  marker, so templates that rewrite earlier turns once later ones follow (Qwen3's reasoning template) work as
+  shipped. Tokens that overlap a turn are kept (offsets of a fast tokenizer), as transformers' ``{% generation %}``
+  masks do. A template that changes or drops the contents it is given is refused with one line.
 
 With ``train_on_prompt`` every token is trained on. ``add_bos`` prepends the tokenizer's BOS to text and
 instruction samples (chat templates write their own). Errors are :class:`~kdsweep.config.schema.ConfigError`,
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from kdsweep.config.schema import FORMATS, ConfigError, DatasetConfig
+from kdsweep.data.chat import assistant_spans
 
 INSTRUCTION_TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 """Prompt of an instruction row with a non-empty input; the response follows it directly."""
@@ -188,32 +190,19 @@ def _chat(row: Mapping[str, Any], spec: FormatSpec, tokenizer: Any, where: str) 
         )
     messages = _messages(row, spec, where)
 
-    def text(upto: int, prompt: bool = False) -> str:
+    def text(conversation: list[dict[str, Any]], prompt: bool = False) -> str:
         try:
             return tokenizer.apply_chat_template(
-                messages[:upto], chat_template=template, tokenize=False, add_generation_prompt=prompt
+                conversation, chat_template=template, tokenize=False, add_generation_prompt=prompt
             )
         except Exception as e:  # noqa: BLE001 - jinja errors, and templates that raise_exception() on a row
-            if upto == 0:  # templates that index messages[0] cannot render an empty conversation
+            if not conversation:  # templates that index messages[0] cannot render an empty conversation
                 return ""
             message = " ".join(str(e).split())[:200]
             raise ConfigError(f"{where}: the chat template fails on this row ({type(e).__name__}: {message}); "
                               "fix the row or set data.chat_template") from None
 
-    def before(i: int) -> str:
-        return text(i, prompt=True)
-
-    full = text(len(messages))
-    spans = []
-    for i, m in enumerate(messages):
-        if m["role"] == "assistant":
-            start, through = before(i), text(i + 1)
-            if not (full.startswith(start) and full.startswith(through) and len(start) <= len(through)):
-                raise ConfigError(
-                    f"{where}: the chat template renders earlier turns differently once later ones follow, so "
-                    "assistant turns cannot be located; use a template that only appends (set data.chat_template)"
-                )
-            spans.append((len(start), len(through)))
+    full, spans = assistant_spans(messages, text, where)
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     # a token that overlaps a turn is trained on: byte-level BPE merges the space that ends a generation prompt
     # ("assistant: ") into the reply's first word, which must still be learnt (as {% generation %} masks do)

@@ -15,22 +15,27 @@ class CostMeter:
     def __init__(self, dist: DistEnv, started: float, teacher_tokens: Callable[[], dict[str, int]],
                  built_tokens: int = 0) -> None:
         self.dist, self.started, self.teacher_tokens, self.built_tokens = dist, started, teacher_tokens, built_tokens
-        self.trained_tokens, self.steps, self.loop_started = 0, 0, time.time()
+        self.trained_tokens, self.teacher_generated, self.steps, self.loop_started = 0, 0, 0, time.time()
 
     def start_loop(self) -> None:
         self.loop_started = time.time()
 
-    def step(self, local_tokens: int) -> None:
+    def step(self, local_tokens: int, teacher_generated: int = 0) -> None:
+        """A step that trained on ``local_tokens`` on this rank, the teacher having generated ``teacher_generated``."""
         self.trained_tokens += local_tokens
+        self.teacher_generated += teacher_generated
         self.steps += 1
 
     def snapshot(self) -> dict[str, float]:
         """Steps, trained tokens, wall seconds from the job's start (× ranks: device-seconds), seconds of the step
-        loop, and the teacher positions computed (the cache build's too) and read from a cache, over all ranks."""
+        loop, and the teacher positions computed (the cache build's and the tokens it generated too) and read from a
+        cache, over all ranks."""
         tokens = self.teacher_tokens()
-        trained, computed, read = (sum(self.dist.gather_floats(float(v))) for v in (
-            self.trained_tokens, tokens["teacher_tokens_computed"], tokens["teacher_tokens_read"]))
+        trained, computed, read, generated = (sum(self.dist.gather_floats(float(v))) for v in (
+            self.trained_tokens, tokens["teacher_tokens_computed"], tokens["teacher_tokens_read"],
+            self.teacher_generated))
         wall = time.time() - self.started
         return {"steps": self.steps, "train_tokens": trained, "trial_seconds": wall,
                 "device_seconds": wall * self.dist.world_size, "loop_seconds": time.time() - self.loop_started,
-                "teacher_tokens_computed": computed + self.built_tokens, "teacher_tokens_read": read}
+                "teacher_tokens_computed": computed + self.built_tokens + generated, "teacher_tokens_read": read,
+                "teacher_tokens_generated": generated}

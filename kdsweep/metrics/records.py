@@ -37,10 +37,11 @@ def git_sha() -> str | None:
 
 
 COST_FIELDS = ("steps", "train_tokens", "trial_seconds", "device_seconds", "loop_seconds", "teacher_tokens_computed",
-               "teacher_tokens_read")
-"""What a run's ``cost`` sums over its attempts: optimizer steps, trained (non-padding) tokens, wall seconds from
-the job's start, device-seconds (wall seconds × ranks), the seconds of its steps and evals (``loop_seconds``), and the
-teacher positions a model computed (live, or the cache's build) or a cache supplied."""
+               "teacher_tokens_read", "teacher_tokens_generated")
+"""What a run's ``cost`` sums over its attempts: optimizer steps, trained tokens (a data step's non-padding tokens, a
+generating step's completions), wall seconds from the job's start, device-seconds (wall seconds × ranks), the
+seconds of its steps and evals (``loop_seconds``), the teacher positions a model computed (live, the cache's build,
+and the tokens the teacher generated) or a cache supplied, and of those the tokens the teacher generated."""
 
 SLURM_VARS = {
     "job_id": "SLURM_JOB_ID", "array_job_id": "SLURM_ARRAY_JOB_ID", "array_task_id": "SLURM_ARRAY_TASK_ID",

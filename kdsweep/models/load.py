@@ -97,7 +97,11 @@ def load_teacher(
     return _build(model_dir, dtype, device, env or single_process(), dist_cfg or DistConfig(), freeze, trainable=False)
 
 
-def _lora_wrapper(cfg: StudentConfig, seed: int) -> Callable[[nn.Module], nn.Module]:
+def student_wrapper(cfg: StudentConfig, seed: int) -> Callable[[nn.Module], nn.Module]:
+    """What makes a loaded model the student ``cfg`` asks for: a peft LoRA of rank ``cfg.lora_rank`` on the resolved
+    ``cfg.target_modules`` (adapter initialised from ``seed``), or the plain model in train mode (``lora_rank=0``).
+    ``load_student`` applies it; so may a harness that builds its own model (benchmarks/gpu)."""
+
     def wrap(model: nn.Module) -> nn.Module:
         if cfg.lora_rank == 0:
             return model.train()
@@ -125,7 +129,7 @@ def load_student(
 ) -> nn.Module:
     """The student in train mode: a peft LoRA model (``lora_rank > 0``) or the plain model, fully trainable."""
     model = _build(model_dir, dtype, device, env or single_process(), dist_cfg or DistConfig(),
-                   _lora_wrapper(cfg, seed), trainable=True)
+                   student_wrapper(cfg, seed), trainable=True)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     log.info("student: %d of %d parameters trainable on this rank (%s)", trainable, total,
@@ -149,6 +153,6 @@ def unsharded_on_rank0(
     state = fsdp.gather_to_rank0(student)
     if not env.is_main:
         return None
-    model = _lora_wrapper(cfg, seed)(_from_pretrained(model_dir, dtype))
+    model = student_wrapper(cfg, seed)(_from_pretrained(model_dir, dtype))
     model.load_state_dict(state)
     return model

@@ -5,7 +5,8 @@ every step's micro-batches and trains on what it gets.
 and by seed (the same draw on every rank), whether the student completes the step's prompts (probability ``lmbda``,
 GKD's on-policy steps: the loss is the KD term on the generated tokens), else the teacher does (``seq_kd``) or the
 data stays as it is, as TRL's GKDTrainer does. The completions replace each sample's last labelled span; the labels
-cover the completion only. What it did is in ``stats`` (logged with the step).
+cover the completion only. What it did is in ``stats`` (logged with the step), and what the step then trains on in
+:meth:`work`: a generating step trains on its completions, generation timed apart.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import random
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,11 +30,26 @@ from kdsweep.rollout.generate import complete
 from kdsweep.rollout.prompts import completion_batch, empty_batch, prompts_of
 
 
+@dataclass(frozen=True)
+class StepWork:
+    """What one rank's step trained on, for its throughput and the run's cost."""
+
+    tokens: int
+    """Tokens trained on: the data's non-padding tokens, or on a generating step the completions it generated."""
+    teacher_generated: int = 0
+    """Tokens the teacher generated (``seq_kd`` steps): teacher positions computed besides its forwards."""
+    generation_s: float = 0.0
+    """Seconds spent generating, apart from the step's training."""
+
+
 class OffPolicy:
     """The data as it is: no step generates."""
 
     def batches(self, step: int, micro: list[Batch]) -> list[Batch]:
         return micro
+
+    def work(self, data_tokens: int) -> StepWork:
+        return StepWork(data_tokens)
 
     def report(self, step_s: float) -> dict[str, Any]:
         return {}
@@ -64,6 +81,7 @@ class Rollout:
         self.stops = stop_ids(student, tokenizer)
         self.vocab = len(tokenizer)
         self.stats: dict[str, Any] = {}
+        self.local_generated = 0
 
     def batches(self, step: int, micro: list[Batch]) -> list[Batch]:
         who = step_source(self.r, step)
@@ -85,6 +103,7 @@ class Rollout:
                                         own_samples=who == "student").to(self.device) if prompts
                        else empty_batch(batch, ignore, own_samples=who == "student"))
         seconds = time.perf_counter() - t0
+        self.local_generated = sum(len(c) for _, c in made)
         everyone = [m for part in self.dist.gather_objects(made) for m in part]
         tokens = sum(len(c) for _, c in everyone)
         digest = hashlib.sha1(repr(sorted(everyone)).encode()).hexdigest()[:12]
@@ -92,6 +111,14 @@ class Rollout:
                       "mean_completion_len": tokens / max(len(everyone), 1), "generation_s": seconds,
                       "completions_digest": digest}
         return out
+
+    def work(self, data_tokens: int) -> StepWork:
+        """What this rank's last step trains on, ``data_tokens`` being its data's non-padding tokens."""
+        who = self.stats["rollout"]
+        if who == "data":
+            return StepWork(data_tokens)
+        return StepWork(self.local_generated, self.local_generated if who == "teacher" else 0,
+                        self.stats["generation_s"])
 
     def report(self, step_s: float) -> dict[str, Any]:
         """What the last step's rollout did, for its metrics line (``step_s``: the whole step's seconds)."""
@@ -107,4 +134,4 @@ def open_rollout(cfg: RunConfig, student: nn.Module, teacher: Any, tokenizer: An
     return Rollout(cfg, student, teacher.model, tokenizer, dist, device)
 
 
-__all__ = ["OffPolicy", "Rollout", "open_rollout", "step_source"]
+__all__ = ["OffPolicy", "Rollout", "StepWork", "open_rollout", "step_source"]

@@ -1,7 +1,8 @@
 """Completing prompts with a model: sampled token by token with a KV cache, in eval mode, under ``torch.no_grad``,
 stopping at EOS. Every rank steps in lockstep (a sharded model's forward is a collective) until every rank's
 prompts are done. Each prompt draws from its own seeded stream, on the CPU, so its completion is the same whichever
-rank completes it and whatever else is in its batch.
+rank completes it and whatever else is in its batch. Generation runs eagerly even where the decoder layers are
+compiled (``dist.compile``): every new length would recompile them, and the training step keeps its graphs.
 """
 
 from __future__ import annotations
@@ -54,19 +55,20 @@ def complete(model: nn.Module, prompts: list[list[int]], seeds: list[int], *, ma
     done = torch.zeros(len(prompts), dtype=torch.bool)
     step_ids, cache, kw = ids, None, cache_argument(model)
     try:
-        for _ in range(max_new_tokens):
-            o = model(input_ids=step_ids, attention_mask=mask, position_ids=positions, use_cache=True, **{kw: cache})
-            cache = getattr(o, kw)
-            tokens = sample(o.logits[:, -1, :vocab].float().cpu(), temperature, top_p, generators)
-            for r, t in enumerate(tokens.tolist()):
-                if not done[r]:
-                    out[r].append(t)
-                    done[r] = t in stop_ids
-            if not dist.any(not bool(done.all())):  # lockstep: go on while any rank has a prompt to finish
-                break
-            step_ids = tokens.masked_fill(done, pad_id).unsqueeze(-1).to(device)
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
-            positions = positions[:, -1:] + 1
+        with torch.compiler.set_stance("force_eager"):  # eager, compiled layers or not (see above)
+            for _ in range(max_new_tokens):
+                o = model(input_ids=step_ids, attention_mask=mask, position_ids=positions, use_cache=True, **{kw: cache})
+                cache = getattr(o, kw)
+                tokens = sample(o.logits[:, -1, :vocab].float().cpu(), temperature, top_p, generators)
+                for r, t in enumerate(tokens.tolist()):
+                    if not done[r]:
+                        out[r].append(t)
+                        done[r] = t in stop_ids
+                if not dist.any(not bool(done.all())):  # lockstep: go on while any rank has a prompt to finish
+                    break
+                step_ids = tokens.masked_fill(done, pad_id).unsqueeze(-1).to(device)
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
+                positions = positions[:, -1:] + 1
     finally:
         model.train(was_training)
     return [] if dummy else out

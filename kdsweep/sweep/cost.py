@@ -2,8 +2,8 @@
 and what pruning and the teacher-logit cache saved against running every trial to the end with a live teacher.
 
 Each trial's ``cost`` (kdsweep.metrics.records) counts its attempts: wall seconds from its job's start, device-seconds
-(wall × ranks), trained tokens, and the teacher positions a model computed (a live teacher's forwards, or the one
-cache build) or a cache supplied. The savings are estimates, and named so:
+(wall × ranks), trained tokens, and the teacher positions a model computed (a live teacher's forwards and the tokens
+it generated under ``rollout.seq_kd``, or the one cache build) or a cache supplied. The savings are estimates, and named so:
 
 - pruning: each pruned trial's missing steps at its own device-seconds per step (of its steps and evals);
 - the cache: every position read from it at the build's measured device-seconds per teacher position, plus one
@@ -18,7 +18,8 @@ from typing import Any
 
 from kdsweep.sweep.manifest import Manifest
 
-FIELDS = ("trial_seconds", "device_seconds", "train_tokens", "teacher_tokens_computed", "teacher_tokens_read")
+FIELDS = ("trial_seconds", "device_seconds", "train_tokens", "teacher_tokens_computed", "teacher_tokens_read",
+          "teacher_tokens_generated")
 
 
 def _record(entry: dict[str, Any]) -> dict[str, Any]:
@@ -63,10 +64,11 @@ def cost_lines(cost: dict[str, Any]) -> list[str]:
     """The sweep's cost for ``kdsweep status`` and the sweep's summary."""
     if not cost["trials"]:
         return ["cost: no trial has recorded its cost yet"]
+    generated = f"{int(cost['teacher_tokens_generated'])} generated, " if cost["teacher_tokens_generated"] else ""
     lines = [
         f"cost: {cost['trials']} trials, {cost['device_seconds']:.1f} device-s ({cost['trial_seconds']:.1f} trial-s), "
         f"{int(cost['train_tokens'])} tokens trained; teacher: {int(cost['teacher_tokens_computed'])} tokens computed "
-        f"({cost['cache_builds']} cache build{'s' if cost['cache_builds'] != 1 else ''}), "
+        f"({generated}{cost['cache_builds']} cache build{'s' if cost['cache_builds'] != 1 else ''}), "
         f"{int(cost['teacher_tokens_read'])} read from the cache",
     ]
     if cost["ratio"] is not None:

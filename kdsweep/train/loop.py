@@ -317,8 +317,8 @@ def _train(
             t_step = time.perf_counter()
             shares = sampler.rank_micro_batches(step, dist.rank, dist.world_size, d.micro_batch_size)
             micro = rollout.batches(step, [train_rows.batch(idx).to(device) for idx in shares])
-            local_tokens = sum(int(train_rows.tokens[idx].sum()) for idx in shares)  # non-padding inputs
-            meter.step(local_tokens)
+            work = rollout.work(sum(int(train_rows.tokens[idx].sum()) for idx in shares))  # data: non-padding inputs
+            meter.step(work.tokens, work.teacher_generated)
             stats = train_step(
                 student, teacher.train, micro, optimizer, scheduler,
                 loss_cfg=cfg.loss, max_grad_norm=o.max_grad_norm, dist=dist,
@@ -330,11 +330,12 @@ def _train(
             bar.set_postfix(loss=f"{stats.loss:.4f}", ce=f"{stats.ce:.4f}", kd=f"{stats.kd:.4f}")
             if step % cfg.train.log_every == 0:
                 peaks = dist.gather_floats(peak_memory_mb(device))
-                tokens = dist.gather_floats(float(local_tokens))
+                tokens = dist.gather_floats(float(work.tokens))
+                training_s = elapsed - work.generation_s  # generation is timed apart (generation_s)
                 metrics.log("train", step, {
                     **asdict(stats),
-                    "tokens_per_s": sum(tokens) / elapsed,
-                    "tokens_per_s_per_rank": tokens[dist.rank] / elapsed,
+                    "tokens_per_s": sum(tokens) / training_s,
+                    "tokens_per_s_per_rank": tokens[dist.rank] / training_s,
                     "step_s": elapsed,
                     "peak_mem_mb": max(peaks),
                     "peak_mem_mb_per_rank": peaks,

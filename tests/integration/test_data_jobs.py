@@ -4,6 +4,7 @@ its counts are logged and recorded, and the trials of a sweep share one tokeniza
 import json
 import random
 import re
+from pathlib import Path
 
 import pytest
 
@@ -13,8 +14,8 @@ from test_sweep import search
 
 pytestmark = pytest.mark.slow
 
-TEMPLATE = "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }}\n{% endfor %}" \
-           "{% if add_generation_prompt %}<assistant> {% endif %}"
+QWEN3_TEMPLATE = Path(__file__).resolve().parents[1] / "data" / "chat_templates" / "qwen3.jinja"
+"""Qwen3's reasoning template as Qwen ships it: earlier turns lose the <think> block the last one gets."""
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +33,15 @@ def data_dir(tmp_path_factory, zoo_dirs):
     rows = [{"instruction": text(8), "input": text(rng.choice([0, 5])), "output": text(int(rng.lognormvariate(3, 0.8)))}
             for _ in range(200)]
     (root / "inst.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    chats = [{"messages": [{"role": "user", "content": text(6)}, {"role": "assistant", "content": text(rng.randint(2, 40))}]}
-             for _ in range(80)]
-    pq.write_table(pa.Table.from_pylist(chats), root / "chat.parquet")
-    (root / "chat.jinja").write_text(TEMPLATE)
+    def chat(k):
+        system = [{"role": "system", "content": text(4), "reasoning_content": None}] * (k % 3 == 0)
+        turns = [[{"role": "user", "content": text(6), "reasoning_content": None},
+                  {"role": "assistant", "content": text(rng.randint(2, 20)), "reasoning_content": text(3) if k % 2 else None}]
+                 for _ in range(1 + k % 3)]  # one to three exchanges, some with reasoning
+        return {"messages": system + [m for t in turns for m in t]}
+
+    pq.write_table(pa.Table.from_pylist([chat(k) for k in range(80)]), root / "chat.parquet")
+    (root / "chat.jinja").write_text(QWEN3_TEMPLATE.read_text())
     return root
 
 
@@ -47,7 +53,26 @@ def mix_args(data_dir, cache):
             "checkpoint.save_every=0", "checkpoint.export_merged=false", *QUIET]
 
 
-def test_a_packed_weighted_mix_trains_the_same_on_one_and_two_ranks(data_dir, tmp_path):
+def chat_turns_trained(rows, tokenizer, seq_len):
+    """For every chat sample of packed ``rows`` shorter than ``seq_len`` (not truncated): the decoded runs of its
+    labelled tokens."""
+    ids, labels, pos = rows.input_ids.tolist(), rows.labels.tolist(), rows.position_ids.tolist()
+    starts = [i for i, p in enumerate(pos) if p == 0] + [len(pos)]
+    samples = []
+    for a, b in zip(starts, starts[1:]):
+        if b - a >= seq_len or not tokenizer.decode(ids[a:b]).startswith("<|im_start|>"):
+            continue
+        runs, run = [], []
+        for t in labels[a:b] + [rows.ignore_index]:
+            if t != rows.ignore_index:
+                run.append(t)
+            elif run:
+                runs, run = runs + [tokenizer.decode(run)], []
+        samples.append(runs)
+    return samples
+
+
+def test_a_packed_weighted_mix_trains_the_same_on_one_and_two_ranks(data_dir, tmp_path, zoo_dirs):
     args = mix_args(data_dir, tmp_path / "cache")
     kdsweep(*args, f"hydra.run.dir={tmp_path / 'one'}", cwd=tmp_path)
     kdsweep(*args, "dist=fsdp2_local", f"hydra.run.dir={tmp_path / 'two'}", cwd=tmp_path)
@@ -61,6 +86,18 @@ def test_a_packed_weighted_mix_trains_the_same_on_one_and_two_ranks(data_dir, tm
     line = re.search(r"data train: (\d+) samples \(inst.jsonl 70.\d%, chat.parquet 29.\d%\) -> (\d+) rows \(pack, "
                      r"seq_len 128\): \d+ tokens, \d+ targets, \d+ truncated, \d+ dropped, padding \d+\.\d%", log)
     assert line and int(line[1]) == train["samples"] and int(line[2]) == train["rows"]
+    # the chats train on each assistant turn as Qwen3's template renders the whole conversation: the last turn with
+    # its reasoning block, earlier ones without (the template drops it once a later user turn follows)
+    from transformers import AutoTokenizer
+
+    from kdsweep.data.rows import Rows
+
+    samples = chat_turns_trained(Rows.load(Path(one["data"]["cache_dir"]) / "train.pt"),
+                                 AutoTokenizer.from_pretrained(zoo_dirs["student"]), seq_len=128)
+    assert len(samples) >= 10 and any(len(runs) >= 2 for runs in samples)
+    for runs in samples:
+        assert "<think>" in runs[-1][:12] and "</think>" in runs[-1] and runs[-1].endswith("<|im_end|>\n"), runs
+        assert all(r.endswith("<|im_end|>\n") and "think>" not in r for r in runs[:-1]), runs
 
 
 def test_the_second_trial_of_a_sweep_reuses_the_tokenization_cache(data_dir, tmp_path):

@@ -89,6 +89,11 @@ def test_seq_kd_and_half_on_policy_steps_follow_the_seeded_draw(instructions, tm
     for r in lines:
         mixed = r["kd"] if r["rollout"] == "student" else 0.7 * r["ce"] + 0.3 * r["kd"]
         assert math.isclose(r["loss"], mixed, rel_tol=1e-6), r
+    # the teacher's generated tokens are teacher positions computed: the run's (and so the sweep's) cost counts them
+    cost = read_run(run_dir)["cost"]
+    generated = sum(r["generated_tokens"] for r in lines if r["rollout"] == "teacher")
+    assert generated > 0 and cost["teacher_tokens_generated"] == generated
+    assert cost["train_tokens"] == sum(r["generated_tokens"] for r in lines)
 
 
 BAD = {
@@ -122,15 +127,19 @@ def test_a_sweep_over_lmbda_with_pruning_runs(launcher, instructions, tmp_path, 
     sweep_dir = tmp_path / "sweep"
     kdsweep("-m", "hparams_search=kd_onpolicy", *data(instructions), *SHORT, "train.max_steps=4", "train.eval_every=2",
             "hydra.sweeper.n_trials=3", "hydra.sweeper.pruner_startup_trials=1", "hydra.sweeper.poll_s=0.2",
-            *extra, f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path, timeout=900)
+            "rollout.seq_kd=true", *extra, f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path, timeout=900)
     manifest = json.loads((sweep_dir / "sweep.json").read_text())
     states = {n: t["state"] for n, t in manifest["trials"].items()}
     assert len(states) == 3 and set(states.values()) <= {"COMPLETE", "PRUNED"}, states
     lmbdas = {read_run(sweep_dir / n)["config"]["rollout"]["lmbda"] for n in states}
     assert len(lmbdas) == 3 and all(0 <= x <= 1 for x in lmbdas)
-    for n in states:  # each trial drew its own share of on-policy steps
+    generated = 0
+    for n in states:  # each trial drew its own share of on-policy steps; the teacher completed the others
         kinds = {r["rollout"] for r in train_lines(sweep_dir / n)}
-        assert kinds <= {"student", "data"} and kinds
+        assert kinds <= {"student", "teacher"} and kinds
+        generated += sum(r["generated_tokens"] for r in train_lines(sweep_dir / n) if r["rollout"] == "teacher")
+    cost = re.search(r"teacher: (\d+) tokens computed \((\d+) generated, ", kdsweep("status", str(sweep_dir), cwd=tmp_path).stdout)
+    assert generated > 0 and cost and int(cost[2]) == generated and int(cost[1]) > generated
 
 
 def test_a_rollout_knob_that_does_nothing_is_a_warning(tmp_path):
@@ -142,35 +151,54 @@ def test_a_rollout_knob_that_does_nothing_is_a_warning(tmp_path):
     assert {r.get("rollout") for r in train_lines(run_dir)} == {None}  # nothing generated, nothing logged about it
 
 
-CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<assistant> {% endif %}")
+QWEN3_TEMPLATE = Path(__file__).resolve().parents[1] / "data" / "chat_templates" / "qwen3.jinja"
 
 
-def test_a_chat_s_last_assistant_turn_is_what_gets_regenerated(tmp_path, zoo_dirs):
+def test_a_chat_s_last_assistant_turn_is_regenerated_and_full_fine_tune_on_two_ranks_equals_one(tmp_path, zoo_dirs):
+    """Qwen3's own reasoning template (not prefix-preserving), padded rows, full fine-tuning, lmbda=1: the prompt
+    of each chat is the template's generation prompt for its last assistant turn, and 2 ranks equal 1 rank."""
     from hydra import compose, initialize_config_dir
+    from transformers import AutoTokenizer
 
     from kdsweep.app import conf_dir, validate_composed
     from kdsweep.data.dataset import load_data
-    from kdsweep.models.load import load_tokenizer
     from kdsweep.rollout.prompts import prompts_of
 
-    sentences = [s for s in re.split(r"(?<=[.;:])\s+", CORPUS.read_text().splitlines()[3]) if 4 <= len(s.split()) <= 20]
-    chats = [{"messages": [{"role": "user", "content": a}, {"role": "assistant", "content": b},
-                           {"role": "user", "content": c}, {"role": "assistant", "content": d}]}
-             for a, b, c, d in zip(sentences, sentences[1:], sentences[2:], sentences[3:])]
+    sentences = [s for s in re.split(r"(?<=[.;:])\s+", CORPUS.read_text().splitlines()[3]) if 4 <= len(s.split()) <= 12]
+    system = [{"role": "system", "content": "Answer with the next verse."}]
+    chats = [{"messages": system * (k % 2) + [{"role": "user", "content": a}, {"role": "assistant", "content": b},
+                                             {"role": "user", "content": c}, {"role": "assistant", "content": d}]}
+             for k, (a, b, c, d) in enumerate(zip(sentences, sentences[1:], sentences[2:], sentences[3:]))]
     (tmp_path / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats * 4))
-    (tmp_path / "chat.jinja").write_text(CHAT_TEMPLATE)
-    chat = ["data=chat", f"data.datasets.0.path={tmp_path / 'chats.jsonl'}", f"data.chat_template={tmp_path / 'chat.jinja'}"]
+    chat = ["data=chat", f"data.datasets.0.path={tmp_path / 'chats.jsonl'}", f"data.chat_template={QWEN3_TEMPLATE}",
+            "data.sequences=pad", "data.seq_len=192", "lora_rank=0", "lr=1e-4"]  # no chat is truncated
 
     with initialize_config_dir(config_dir=conf_dir(), version_base=None):
-        cfg = validate_composed(compose(config_name="config", overrides=[*chat, *SHORT[:-1], "lmbda=1"]), str(tmp_path))
-    tokenizer = load_tokenizer(zoo_dirs["student"])
+        cfg = validate_composed(compose(config_name="config", overrides=[*SHORT[:-1], *chat, "lmbda=1"]), str(tmp_path))
+    tokenizer = AutoTokenizer.from_pretrained(zoo_dirs["student"])
     rows = load_data(cfg.data, tokenizer, zoo_dirs["student"]).train
-    prompts = prompts_of(rows.batch([0]), cfg.loss.ignore_index, room=10_000)
+    prompts = prompts_of(rows.batch(list(range(8))), cfg.loss.ignore_index, room=10_000)
+    template = QWEN3_TEMPLATE.read_text()
+    expected = {tokenizer.apply_chat_template(c["messages"][:-1], chat_template=template, tokenize=False,
+                                              add_generation_prompt=True) for c in chats}
     texts = [tokenizer.decode(p.ids) for p in prompts]
-    assert texts and all(t.rstrip().endswith("<assistant>") and t.count("<assistant>") == 2 for t in texts), texts
+    assert len(texts) == 8 and all(t in expected for t in texts), texts
+    assert all(t.endswith("<|im_start|>assistant\n") and "<think>" not in t for t in texts)
 
-    run_dir = tmp_path / "run"
-    kdsweep(*chat, *SHORT, "train.max_steps=2", "lmbda=1", f"hydra.run.dir={run_dir}", cwd=tmp_path)
-    lines = train_lines(run_dir)
-    assert [r["rollout"] for r in lines] == ["student"] * 2 and all(r["tokens"] == r["generated_tokens"] for r in lines)
+    runs = {n: tmp_path / f"run{n}" for n in (1, 2)}
+    for n, run_dir in runs.items():
+        kdsweep(*SHORT, *chat, "train.max_steps=2", "lmbda=1", f"dist.nproc_per_node={n}", f"hydra.run.dir={run_dir}",
+                cwd=tmp_path)
+    one, two = train_lines(runs[1]), train_lines(runs[2])
+    assert [r["rollout"] for r in one] == ["student"] * 2
+    assert [r["completions_digest"] for r in one] == [r["completions_digest"] for r in two]
+    for a, b in zip(one, two):
+        assert abs(a["loss"] - b["loss"]) < 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-5, (a, b)
+    assert abs(read_run(runs[1])["objective"] - read_run(runs[2])["objective"]) < 1e-5
+    for r in one + two:  # a step trains on its completions, and its throughput leaves generation out
+        assert r["tokens"] == r["generated_tokens"] > 0
+        assert r["tokens_per_s"] == pytest.approx(r["generated_tokens"] / (r["step_s"] - r["generation_s"]), rel=1e-6)
+    for run_dir in runs.values():
+        cost = read_run(run_dir)["cost"]
+        assert cost["train_tokens"] == sum(r["generated_tokens"] for r in train_lines(run_dir))
+        assert cost["teacher_tokens_generated"] == 0

@@ -211,5 +211,6 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tok):
         "{% for m in messages %}{% if not loop.last %}{{ m['role'] }} {% endif %}{{ m['content'] }} </s> {% endfor %}"
     )
     row = {"messages": [{"role": "user", "content": "the"}, {"role": "assistant", "content": "cat"}]}
-    with pytest.raises(ConfigError, match=r"renders earlier turns differently .*\(set data\.chat_template\)$"):
+    with pytest.raises(ConfigError, match=r"^row: the chat template renders the conversation before message 1 \(an "
+                                          r"assistant turn\) differently from its generation prompt, .*set data\.chat_template$"):
         render(row, FormatSpec(kind="chat", chat_template=rewrites), tok)

@@ -79,6 +79,23 @@ def test_a_prompt_s_completion_does_not_depend_on_its_batch_and_stops_at_eos():
     assert cold == seq[3:]
 
 
+def test_compiled_decoder_layers_generate_eagerly_with_the_same_completions():
+    """dist.compile compiles each decoder layer; generation must not recompile them for every new length, and must
+    complete as the plain model does."""
+    from kdsweep.distributed.fsdp import decoder_layers
+
+    plain, compiled = tiny_llama(vocab=40, seed=3), tiny_llama(vocab=40, seed=3)
+    for layer in decoder_layers(compiled):
+        layer.compile()
+    kw = dict(max_new_tokens=8, temperature=1.0, top_p=1.0, stop_ids={EOS}, pad_id=PAD, vocab=40,
+              device=torch.device("cpu"), dist=single_process())
+    prompts, seeds = [[5, 6, 7], [9, 10]], [11, 12]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    assert complete(compiled, prompts, seeds, **kw) == complete(plain, prompts, seeds, **kw)
+    assert not torch._dynamo.utils.counters["frames"]  # no layer was compiled (nor recompiled) while generating
+
+
 @pytest.mark.parametrize("divergence,beta", [("forward_kl", 0.5), ("reverse_kl", 0.5), ("jsd", 0.3), ("jsd", 0.5)])
 def test_the_loss_on_generated_tokens_equals_a_float64_reference(divergence, beta):
     student, teacher = tiny_llama(vocab=40, seed=1), tiny_llama(vocab=40, hidden=48, seed=2).eval()

@@ -1,0 +1,111 @@
+"""Which characters of a rendered conversation are assistant turns: what a chat sample trains on.
+
+The text a model is trained and served on is the template's rendering of the *whole* conversation, ``full``. Many
+current templates are not prefix-preserving: Qwen3 gives the last assistant turn an empty ``<think>`` block that
+earlier turns lose once a later user turn follows, others move the system prompt or rewrite tool calls. So a
+turn is located in ``full`` itself, never in the rendering of a shorter conversation:
+
+1. **Markers.** Each assistant message's content gets a unique marker (private-use code points, which no template
+   trims or escapes) right after its last non-space character, and the conversation is rendered once more. That
+   rendering less its markers must be ``full`` exactly; otherwise the template rewrites the contents it is given
+   and the turns cannot be located (one line naming the row). A marker says where its turn's content ends in
+   ``full``.
+2. **Start.** Assistant turn ``i`` starts where generation starts: after the generation prompt,
+   ``render(messages[:i], add_generation_prompt=True)``. That prompt is found in ``full`` from its last marker
+   (the turn before it; none: the start of the text): the prompt's text after that marker must follow the same
+   marker in ``full``. Failing that (a template that renders the context differently before a generation), after
+   the last occurrence of the generation header (the prompt less ``render(messages[:i])``) before the turn's end.
+   Everything from there to the content's end is trained on: the content, and what the template writes before it
+   in that position (Qwen3's ``<think>…</think>`` block).
+3. **End.** The turn ends with what the template writes after its content when it is the last message
+   (``render(messages[:i + 1])`` after the marker: the end-of-turn token and its newline), as far as ``full``
+   continues with the same characters.
+
+For a template that only appends, these are exactly the spans between ``render(messages[:i], True)`` and
+``render(messages[:i + 1])``, so its samples are unchanged. A rollout's prompt (the text before the last trained
+span) is the generation prompt of the last assistant turn as the template renders it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Mapping, Sequence
+
+from kdsweep.config.schema import ConfigError
+
+_MARK = re.compile("\ue000[0-9]+\ue001")
+
+
+def _mark(i: int) -> str:
+    return f"\ue000{i}\ue001"
+
+
+def assistant_spans(messages: Sequence[Mapping[str, Any]], render: Callable[..., str], where: str) -> tuple[str, list[tuple[int, int]]]:
+    """``full`` and the ``[start, end)`` character span of every assistant turn in it.
+
+    ``render(messages, prompt)`` is the template's text of a conversation (``prompt``: with the generation prompt).
+    """
+    full = render(messages)
+    marked_messages = [dict(m, content=_marked(m["content"], i)) if m["role"] == "assistant" else m
+                       for i, m in enumerate(messages)]
+    marked = render(marked_messages)
+    if _MARK.sub("", marked) != full:
+        raise ConfigError(f"{where}: the chat template changes the message contents it is given, so assistant turns "
+                          "cannot be located in its rendering; fix the row or set data.chat_template")
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        mark = _mark(i)
+        content_end = marked.find(mark)
+        if content_end < 0:
+            raise ConfigError(f"{where}: the chat template leaves out the content of message {i} (an assistant turn), "
+                              "so it cannot be trained on; fix the row or set data.chat_template")
+        start = _generation_start(marked_messages[:i], render, marked, content_end)
+        if start is None:
+            raise ConfigError(
+                f"{where}: the chat template renders the conversation before message {i} (an assistant turn) "
+                "differently from its generation prompt, so the turn cannot be located; fix the row or set "
+                "data.chat_template"
+            )
+        through = render(marked_messages[:i + 1])
+        closing = through[through.rfind(mark) + len(mark):]
+        after = content_end + len(mark)
+        end = after + _common_prefix(closing, marked[after:])
+        spans.append((_unmarked(marked, start), _unmarked(marked, end)))
+    return full, spans
+
+
+def _marked(content: str, i: int) -> str:
+    core = content.rstrip()
+    return core + _mark(i) + content[len(core):]
+
+
+def _generation_start(before: list[Mapping[str, Any]], render: Callable[..., str], marked: str, content_end: int) -> int | None:
+    """Where generation starts in ``marked`` for a turn that follows ``before``, or None where it cannot be found."""
+    prompt = render(before, True)
+    marks = list(_MARK.finditer(prompt))
+    anchor, tail = 0, prompt
+    if marks:
+        at = marked.find(marks[-1].group())
+        anchor, tail = (at + len(marks[-1].group()), prompt[marks[-1].end():]) if at >= 0 else (0, None)
+    if tail is not None and marked.startswith(tail, anchor) and anchor + len(tail) <= content_end:
+        return anchor + len(tail)
+    context = render(before)
+    header = prompt[len(context):] if prompt.startswith(context) else ""
+    found = marked.rfind(header, anchor, content_end) if header else -1
+    return None if found < 0 else found + len(header)
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _unmarked(marked: str, pos: int) -> int:
+    """Position ``pos`` of ``marked`` in the text without markers."""
+    return pos - sum(len(m.group()) for m in _MARK.finditer(marked, 0, pos))
