@@ -21,7 +21,7 @@ def fsdp(device: torch.device, budget: Budget) -> dict[str, Any]:
     from kdsweep.distributed import fsdp as sharding
     from kdsweep.distributed.env import backend_for
     from kdsweep.models import zoo
-    from kdsweep.models.load import _prepare, load_student, load_teacher
+    from kdsweep.models.load import prepare, load_student, load_teacher
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -46,7 +46,7 @@ def fsdp(device: torch.device, budget: Budget) -> dict[str, Any]:
             st = load_student(s_dir, StudentConfig(zoo="tiny-student"), "fp32", device, seed=0)
             te = load_teacher(t_dir, "fp32", device)
             if cfg is not None:
-                _prepare(st, cfg, trainable=True)
+                prepare(st, cfg, trainable=True)
                 sharding.shard(st, cfg)
                 sharding.shard(te, cfg)
             r = timed_steps(st, live(te, "chunked"), data, sizes, "chunked", device, 4, (0, 8))

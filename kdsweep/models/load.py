@@ -59,8 +59,8 @@ def _on_meta(model_dir: Path, dtype: str) -> nn.Module:
         return AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
 
 
-def _prepare(model: nn.Module, cfg: DistConfig, trainable: bool) -> None:
-    """Activation checkpointing and compilation, applied before sharding."""
+def prepare(model: nn.Module, cfg: DistConfig, trainable: bool) -> None:
+    """Activation checkpointing (``trainable`` models) and compilation as ``cfg`` asks, in place, before sharding."""
     if cfg.activation_checkpointing and trainable:
         fsdp.hf_model(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.compile:
@@ -74,11 +74,11 @@ def _build(
 ) -> nn.Module:
     if env.world_size == 1:
         model = wrap(_from_pretrained(model_dir, dtype))
-        _prepare(model, cfg, trainable)
+        prepare(model, cfg, trainable)
         return model.to(device)
     source = wrap(_from_pretrained(model_dir, dtype)) if env.is_main else None
     model = wrap(_on_meta(model_dir, dtype))
-    _prepare(model, cfg, trainable)
+    prepare(model, cfg, trainable)
     fsdp.shard(model, cfg)
     model.to_empty(device="cpu" if cfg.cpu_offload else device)  # offloaded shards live on the host
     fsdp.load_from_rank0(model, source.state_dict() if source is not None else {})

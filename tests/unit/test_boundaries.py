@@ -44,3 +44,17 @@ def test_help_path_imports_no_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr
+
+
+def test_benchmarks_use_only_kdsweep_s_public_names():
+    """The GPU check and the benchmarks build what jobs build through kdsweep's public functions, so a refactor of
+    a private helper cannot silently change what they measure."""
+    import ast
+    from pathlib import Path
+
+    private = []
+    for path in sorted((Path(__file__).parents[2] / "benchmarks").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kdsweep"):
+                private += [f"{path.name}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+    assert not private, private
