@@ -103,3 +103,55 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def gloo_ranks(body, *args, tmp_path: Path, nprocs: int = 2, timeout_s: float = 120) -> None:
+    """Run ``body(rank, *args)`` in ``nprocs`` spawned gloo ranks of one process group (a module-level function:
+    spawned children import it). Every test that starts ranks itself goes through here, so all of them tear down
+    the same safe way (see :func:`_gloo_rank`)."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    # spawn, not fork: a fork after this process ran OpenMP kernels can deadlock in the first matmul
+    mp.start_processes(_gloo_rank, args=(body, tempfile.mktemp(dir=tmp_path), nprocs, timeout_s, args),
+                       nprocs=nprocs, start_method="spawn")
+
+
+def _gloo_rank(rank: int, body, init_file: str, world: int, timeout_s: float, args: tuple) -> None:
+    """One rank: join, run ``body``, then leave only once every rank is done with every collective.
+
+    - A barrier after joining: the ranks' connections are all made before any rank goes on.
+    - A barrier after ``body``: no rank closes its sockets (by leaving) while a peer still works or communicates.
+    - ``gc.collect()`` before ``destroy_process_group``: models sharded with FSDP2 hold the group through their
+      device mesh, often in reference cycles; collected here, the group's threads and sockets end on this thread,
+      not at interpreter exit in whatever order finalisers run.
+    """
+    import datetime
+    import faulthandler
+    import gc
+    import os
+
+    import torch.distributed as dist
+
+    faulthandler.enable()  # a native abort prints every thread's stack into the test's output
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT="0")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))  # a hang fails the test instead
+    try:
+        dist.barrier()
+        body(rank, *args)
+        dist.barrier()
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def run_each(rank: int, configs: list) -> None:
+    """A ``gloo_ranks`` body: every config in turn, as a job's rank runs it."""
+    from kdsweep.distributed import detect
+    from kdsweep.train import run
+
+    for cfg in configs:
+        run(cfg, dist=detect())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 import re
 import subprocess
@@ -226,5 +227,9 @@ def process_group(env: DistEnv, device: torch.device, timeout_s: float = 600) ->
     dist.init_process_group(backend_for(device), timeout=datetime.timedelta(seconds=timeout_s))
     try:
         yield env
+        dist.barrier()  # a rank that is done does not close its connections while a peer still uses them
     finally:
+        # FSDP2-sharded models hold the group through their device mesh, often in reference cycles: collected
+        # now, the group's threads and sockets end here, not at interpreter exit in whatever order finalisers run
+        gc.collect()
         dist.destroy_process_group()

@@ -10,19 +10,14 @@ chunked run of its architecture and mode, or is refused by the job's preflight w
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from helpers import ARCHS, WORDS, save_arch, word_lines, word_tokenizer
+from helpers import ARCHS, WORDS, gloo_ranks, run_each, save_arch, word_lines, word_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -54,21 +49,6 @@ def cell_config(root: Path, row: str, mode: str, impl: str, ranks: int):
         logger=LoggerConfig(progress_bar=False),
         checkpoint=CheckpointConfig(save_every=0),
     )
-
-
-def _rank(rank: int, init_file: str, configs: list) -> None:
-    """One of two gloo ranks: every runnable 2-rank cell in turn, as a job's rank runs it."""
-    from kdsweep.distributed import detect
-    from kdsweep.train import run
-
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=120))  # a hang fails the test instead
-    try:
-        for cfg in configs:
-            run(cfg, dist=detect())
-    finally:
-        dist.destroy_process_group()
 
 
 def _preflight(cfg) -> str | None:
@@ -117,7 +97,7 @@ def matrix(tmp_path_factory):
                 root_logger.removeHandler(handler)
                 root_logger.setLevel(level)
     two = [cfg for key, cfg in cells.items() if key[3] == 2 and results[key] is None]
-    mp.start_processes(_rank, args=(tempfile.mktemp(dir=root), two), nprocs=2, start_method="spawn")
+    gloo_ranks(run_each, two, tmp_path=root)  # every runnable 2-rank cell, in one process group
     for key, cfg in cells.items():
         if results[key] is None:
             results[key] = json.loads((Path(cfg.output_dir) / "run.json").read_text())

@@ -5,23 +5,18 @@ SLURM trials); bad input is one line before anything runs."""
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
 import random
 import shutil
 import subprocess
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from conftest import QUIET, kdsweep, read_metrics, read_run, tiny_sweep
-from helpers import WORDS, save_hf_model, word_tokenizer
+from helpers import WORDS, gloo_ranks, run_each, save_hf_model, word_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -63,20 +58,6 @@ def cells(root: Path, ranks: int) -> list:
     return out
 
 
-def _rank(rank: int, init_file: str, configs: list) -> None:
-    from kdsweep.distributed import detect
-    from kdsweep.train import run
-
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        for cfg in configs:
-            run(cfg, dist=detect())
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
     """Every cell, 1-rank ones here (they build cache1), 2-rank ones in two spawned ranks (they build cache2)."""
@@ -93,7 +74,7 @@ def jobs(tmp_path_factory):
     torch.set_num_threads(1)
     for cfg in cells(root, 1):
         run(cfg)
-    mp.start_processes(_rank, args=(tempfile.mktemp(dir=root), cells(root, 2)), nprocs=2, start_method="spawn")
+    gloo_ranks(run_each, cells(root, 2), tmp_path=root)
     return root
 
 
