@@ -69,7 +69,8 @@ def assistant_spans(messages: Sequence[Mapping[str, Any]], render: Callable[...,
                 "data.chat_template"
             )
         through = render(marked_messages[:i + 1])
-        closing = through[through.rfind(mark) + len(mark):]
+        at = through.rfind(mark)  # the turn's closing text, where the template writes the turn as the last one
+        closing = through[at + len(mark):] if at >= 0 else ""
         after = content_end + len(mark)
         end = after + _common_prefix(closing, marked[after:])
         spans.append((_unmarked(marked, start), _unmarked(marked, end)))
