@@ -54,35 +54,55 @@ def assert_each_trial_ran_once(sweep_dir: Path, n: int) -> None:
         assert steps == list(range(1, record["config"]["train"]["max_steps"] + 1)), number
 
 
-def crash_then_resume(tmp_path: Path, point: str, study: str, *args: str) -> Path:
-    os.environ[CRASH_AT] = f"{point}:1"  # the controller dies as it launches trial 1 (trial 0 runs meanwhile)
+def crashing_at(point: str, trial: int, command) -> subprocess.CompletedProcess:
+    """``command()`` (the sweep's command, or ``kdsweep resume``) with its controller set to die as it launches
+    ``trial``, at ``point``: killed (SIGKILL), it leaves the trial in the state that point means."""
+    os.environ[CRASH_AT] = f"{point}:{trial}"  # read by the controller of each command (a new process)
     try:
-        sweep_dir, proc = tiny_sweep(tmp_path, study, *args, check=False)
+        proc = command()
     finally:
         del os.environ[CRASH_AT]
     assert proc.returncode == -9, proc.stderr[-2000:]
-    manifest = json.loads((sweep_dir / "sweep.json").read_text())
-    expected = {"before_launch": "STARTING", "after_launch": "STARTING", "after_write": "RUNNING"}[point]
-    assert manifest["trials"]["1"]["state"] == expected
-    resumed = kdsweep("resume", str(sweep_dir), cwd=tmp_path)
-    if point == "after_launch":
-        assert "trial 1: adopted its job" in resumed.stdout + resumed.stderr
+    return proc
+
+
+def crash_at_each_point_then_resume(tmp_path: Path, study: str, *args: str) -> Path:
+    """A 4-trial sweep (all at once) whose controller dies as it launches trial 1 (before_launch); the resumed one
+    dies as it launches trial 2 (after_launch), the next as it launches trial 3 (after_write), each while the
+    trials before it run; a last ``kdsweep resume`` finishes the sweep. Returns the sweep directory."""
+    sweep_dir = tmp_path / "sweep"
+
+    def first() -> subprocess.CompletedProcess:
+        trials = ["hydra.sweeper.n_trials=4", "hydra.sweeper.max_concurrent=4"]
+        return tiny_sweep(tmp_path, study, *trials, *args, check=False)[1]
+
+    def resume(check: bool = False) -> subprocess.CompletedProcess:
+        return kdsweep("resume", str(sweep_dir), cwd=tmp_path, check=check)
+
+    expected = {"before_launch": "STARTING", "after_launch": "STARTING", "after_write": "RUNNING"}
+    for trial, point in enumerate(POINTS, start=1):  # trial 1: before_launch, 2: after_launch, 3: after_write
+        proc = crashing_at(point, trial, first if trial == 1 else resume)
+        manifest = json.loads((sweep_dir / "sweep.json").read_text())
+        assert manifest["trials"][str(trial)]["state"] == expected[point], (point, manifest["trials"])
+        if point == "after_write":  # this resume began by adopting the job the after_launch crash left unrecorded
+            assert "trial 2: adopted its job" in proc.stdout + proc.stderr
+    resume(check=True)
     return sweep_dir
 
 
-@pytest.mark.parametrize("point", POINTS)
-def test_a_controller_killed_while_launching_a_local_trial_runs_it_once(point, tmp_path, zoo_dirs):
-    sweep_dir = crash_then_resume(tmp_path, point, f"crash_{point}")
-    assert_each_trial_ran_once(sweep_dir, 2)
+def test_a_controller_killed_while_launching_a_local_trial_runs_it_once(tmp_path, zoo_dirs):
+    """Killed at each point (before_launch, after_launch, after_write), resumed each time."""
+    sweep_dir = crash_at_each_point_then_resume(tmp_path, "crash")
+    assert_each_trial_ran_once(sweep_dir, 4)
 
 
 @pytest.mark.usefixtures("slurm_cluster")
-@pytest.mark.parametrize("point", POINTS)
-def test_a_controller_killed_while_submitting_a_slurm_trial_runs_it_once(point, tmp_path, zoo_dirs):
-    sweep_dir = crash_then_resume(tmp_path, point, f"slurm_crash_{point}", *SLURM)
-    assert_each_trial_ran_once(sweep_dir, 2)
-    jobs = {read_run(sweep_dir / str(n))["environment"]["slurm"]["job_id"] for n in range(2)}
-    assert len(jobs) == 2  # one SLURM job per trial, never a second one for trial 1
+def test_a_controller_killed_while_submitting_a_slurm_trial_runs_it_once(tmp_path, zoo_dirs):
+    """Killed at each point (before_launch, after_launch, after_write), resumed each time."""
+    sweep_dir = crash_at_each_point_then_resume(tmp_path, "slurm_crash", *SLURM)
+    assert_each_trial_ran_once(sweep_dir, 4)
+    jobs = {read_run(sweep_dir / str(n))["environment"]["slurm"]["job_id"] for n in range(4)}
+    assert len(jobs) == 4  # one SLURM job per trial, never a second one for a trial a controller died launching
 
 
 def test_a_trial_that_failed_while_no_controller_watched_keeps_its_reason(tmp_path, zoo_dirs):
@@ -209,25 +229,33 @@ def test_sbatch_of_two_tasks_without_srun_is_one_line_and_srun_works(tmp_path, z
     assert read_run(tmp_path / "run")["world_size"] == 2
 
 
-def test_local_ranks_log_no_warning_about_the_setting_that_started_them(tmp_path, zoo_dirs):
-    run_dir = tmp_path / "run"
-    proc = kdsweep("dist.nproc_per_node=2", "train=smoke", "train.max_steps=1", "checkpoint.export_merged=false",
-                   *QUIET, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+@pytest.fixture(scope="module")
+def too_short_dataset(tmp_path_factory, zoo_dirs):
+    """Two spawned ranks on a dataset too short for data.seq_len=128, then at the data.seq_len its one line names:
+    the refused run, the run that followed the line, and its run directory (two tests read them)."""
+    root = tmp_path_factory.mktemp("too_short")
+    data = root / "short.jsonl"
+    data.write_text('{"text": "a short line of text"}\n' * 3)
+    args = ["dist.nproc_per_node=2", "train=smoke", "data=text", f"data.datasets.0.path={data}", "data.seq_len=128",
+            "checkpoint.export_merged=false", *QUIET]
+    refused = kdsweep(*args, f"hydra.run.dir={root / 'bad'}", cwd=root, check=False)
+    assert "data.seq_len=<at most " in refused.stderr, refused.stderr[-2000:]
+    at_most = int(refused.stderr.split("data.seq_len=<at most ")[1].split(">")[0])  # what the line says to pass
+    fixed = kdsweep(*args, f"data.seq_len={at_most}", f"hydra.run.dir={root / 'fixed'}", cwd=root)
+    return refused, fixed, root / "fixed"
+
+
+def test_local_ranks_log_no_warning_about_the_setting_that_started_them(too_short_dataset):
+    _, proc, run_dir = too_short_dataset  # a run of 2 ranks spawned for dist.nproc_per_node=2
     logs = proc.stdout + proc.stderr + (run_dir / "kdsweep.log").read_text() + (run_dir / "logs" / "rank1.log").read_text()
     assert "nproc_per_node" not in logs and read_run(run_dir)["world_size"] == 2
 
 
-def test_a_too_short_dataset_under_two_spawned_ranks_is_one_line_and_its_hint_runs(tmp_path, zoo_dirs):
-    data = tmp_path / "short.jsonl"
-    data.write_text('{"text": "a short line of text"}\n' * 3)
-    args = ["dist.nproc_per_node=2", "train=smoke", "data=text", f"data.datasets.0.path={data}", "data.seq_len=128",
-            "checkpoint.export_merged=false", *QUIET]
-    proc = kdsweep(*args, f"hydra.run.dir={tmp_path / 'bad'}", cwd=tmp_path, check=False)
+def test_a_too_short_dataset_under_two_spawned_ranks_is_one_line_and_its_hint_runs(too_short_dataset):
+    proc, _, fixed = too_short_dataset
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and "makes no rows" in lines[0], proc.stderr[-2000:]
-    at_most = int(lines[0].split("data.seq_len=<at most ")[1].split(">")[0])  # what the line says to pass
-    kdsweep(*args, f"data.seq_len={at_most}", f"hydra.run.dir={tmp_path / 'fixed'}", cwd=tmp_path)
-    assert read_run(tmp_path / "fixed")["world_size"] == 2
+    assert read_run(fixed)["world_size"] == 2  # the run at the data.seq_len the line names (it exited 0)
 
 
 def test_the_empty_search_space_hint_works_as_typed(tmp_path, zoo_dirs):
