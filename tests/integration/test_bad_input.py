@@ -1,5 +1,7 @@
 """Bad input: one line naming the field and the fix, exit code 2, nothing trained or written."""
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from conftest import kdsweep
@@ -98,9 +100,12 @@ def test_resuming_another_config_or_with_resume_off_is_refused_and_keeps_the_run
     run_dir = tmp_path / "run"
     kdsweep("train=smoke", "train.max_steps=2", "logger=quiet", f"hydra.run.dir={run_dir}", cwd=tmp_path)
     record = (run_dir / "run.json").read_text()
-    for args, expected in ((["kd_ratio=0.7"], "different training config (loss.kd_ratio: 0.5 -> 0.7)"),
-                           (["checkpoint.resume=false"], "checkpoint.resume=false but")):
-        proc = kdsweep("train=smoke", "train.max_steps=2", *args, f"hydra.run.dir={run_dir}", cwd=tmp_path, check=False)
+    refused = ((["kd_ratio=0.7"], "different training config (loss.kd_ratio: 0.5 -> 0.7)"),
+               (["checkpoint.resume=false"], "checkpoint.resume=false but"))
+    with ThreadPoolExecutor(2) as pool:  # both refusals at once: each is refused before it could write anything
+        procs = list(pool.map(lambda args: kdsweep("train=smoke", "train.max_steps=2", *args, f"hydra.run.dir={run_dir}",
+                                                   cwd=tmp_path, check=False), [args for args, _ in refused]))
+    for proc, (_, expected) in zip(procs, refused):
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and expected in lines[0], proc.stderr
         assert (run_dir / "run.json").read_text() == record, "a refused resume must leave the run as it was"

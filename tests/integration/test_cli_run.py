@@ -1,6 +1,7 @@
 """`python -m kdsweep` end to end on the embedded default: outputs, exports that load, multirun."""
 
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -9,13 +10,37 @@ from conftest import QUIET, kdsweep, read_metrics, read_run
 
 pytestmark = pytest.mark.slow
 
+_SMOKE: dict = {}
+
+
+def smoke(tmp_path_factory):
+    """``python -m kdsweep train=smoke`` (the embedded default at kd_ratio=0.5), run once per session: (its run
+    directory, the finished process). test_slurm_jobs compares its SLURM grid point kd_ratio=0.5 with this run."""
+    if "run" not in _SMOKE:
+        root = tmp_path_factory.mktemp("smoke")
+        run_dir = root / "run"
+        _SMOKE["run"] = run_dir, kdsweep("train=smoke", *QUIET, f"hydra.run.dir={run_dir}", cwd=root)
+    return _SMOKE["run"]
+
 
 @pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory, zoo_dirs):
-    root = tmp_path_factory.mktemp("smoke")
-    run_dir = root / "run"
-    proc = kdsweep("train=smoke", *QUIET, f"hydra.run.dir={run_dir}", cwd=root)
-    return run_dir, proc
+def background(tmp_path_factory, zoo_dirs):
+    """The kd_ratio multirun and the full fine-tune, started side by side as soon as a test asks (each is one
+    process whose start-up is single-threaded, so they overlap each other and the smoke run): (directory, future
+    of the finished process) for each."""
+    root = tmp_path_factory.mktemp("cli")
+    with ThreadPoolExecutor(2) as pool:
+        multirun = pool.submit(
+            kdsweep, "-m", "kd_ratio=0.0,0.5,1.0", "train=smoke", "train.max_steps=2",
+            "checkpoint.export_merged=false", *QUIET, f"hydra.sweep.dir={root / 'sweep'}", cwd=root)
+        full = pool.submit(kdsweep, "lora_rank=0", "lr=1e-3", "train=smoke", "train.max_steps=2", *QUIET,
+                           f"hydra.run.dir={root / 'full'}", cwd=root)
+        yield {"multirun": (root / "sweep", multirun), "full": (root / "full", full)}
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory, background):
+    return smoke(tmp_path_factory)  # while the background commands run
 
 
 def test_prints_before_after_and_where_outputs_are(smoke_run):
@@ -78,10 +103,9 @@ def test_adapter_and_merged_model_load_and_match_the_trained_student(smoke_run, 
     assert objective < read_run(run_dir)["eval_before"]["student_ce"]
 
 
-def test_multirun_over_kd_ratio_runs_three_jobs(tmp_path, zoo_dirs):
-    sweep = tmp_path / "sweep"
-    proc = kdsweep("-m", "kd_ratio=0.0,0.5,1.0", "train=smoke", "train.max_steps=2", "checkpoint.export_merged=false",
-                   *QUIET, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+def test_multirun_over_kd_ratio_runs_three_jobs(background):
+    sweep, proc = background["multirun"]
+    proc = proc.result()
     assert proc.stdout.count("held-out CE: before") == 3
     records = [read_run(sweep / str(i)) for i in range(3)]
     assert [r["config"]["loss"]["kd_ratio"] for r in records] == [0.0, 0.5, 1.0]
@@ -90,9 +114,9 @@ def test_multirun_over_kd_ratio_runs_three_jobs(tmp_path, zoo_dirs):
     assert len({round(r["objective"], 6) for r in records}) == 3
 
 
-def test_full_fine_tune_with_lora_rank_zero(tmp_path, zoo_dirs):
-    run_dir = tmp_path / "full"
-    kdsweep("lora_rank=0", "lr=1e-3", "train=smoke", "train.max_steps=2", *QUIET, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+def test_full_fine_tune_with_lora_rank_zero(background):
+    run_dir, proc = background["full"]
+    proc.result()  # the command succeeded
     record = read_run(run_dir)
     assert record["status"] == "completed" and record["config"]["model"]["lora_rank"] == 0
     assert (run_dir / "final" / "merged" / "model.safetensors").exists() and not (run_dir / "final" / "adapter").exists()

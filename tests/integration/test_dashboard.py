@@ -1,4 +1,6 @@
-"""`kdsweep dashboard` serves a real sweep's study, and headless Chromium renders it (DOM checked, screenshot saved)."""
+"""`kdsweep dashboard` serves a real sweep's study, and headless Chromium renders it (DOM checked, screenshot saved).
+
+The sweep is test_sweep.py's sweep of a failing trial and two complete ones, built once for both modules."""
 
 import os
 import re
@@ -13,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, tiny_sweep
+from conftest import REPO
+from test_sweep import faults_sweep, study
 
 pytestmark = pytest.mark.slow
 
@@ -46,8 +49,9 @@ def visible_text(html: str) -> list[str]:
     return [line.strip() for line in re.sub(r"<[^>]+>", "\n", html).splitlines() if line.strip()]
 
 
-def test_dashboard_serves_the_study_and_chromium_renders_it(tmp_path, zoo_dirs):
-    sweep_dir, _ = tiny_sweep(tmp_path, "dash_study")
+def test_dashboard_serves_the_study_and_chromium_renders_it(tmp_path, tmp_path_factory, zoo_dirs):
+    sweep_dir, _ = faults_sweep(tmp_path_factory)
+    trials_of_study = study(sweep_dir, "faults").trials
     port = free_port()
     log = tmp_path / "dashboard.log"
     with open(log, "w") as out:
@@ -72,12 +76,14 @@ def test_dashboard_serves_the_study_and_chromium_renders_it(tmp_path, zoo_dirs):
         assert busy.returncode == 2 and busy.stderr.count("\n") == 1, busy.stderr
         assert busy.stderr.startswith("kdsweep: error: cannot serve on 127.0.0.1:") and not busy.stdout
 
-        # The study's trial list, as the browser renders it: the study by name, "2 Trials", each one Complete.
+        # The study's trial list, as the browser renders it: the study by name, "3 Trials", each one in the state
+        # the study holds (Fail, Complete, Complete on a machine without CUDA).
         text = visible_text(chromium(tmp_path, "--dump-dom", f"{study_url}/trials").stdout)
-        assert f"dash_study (id={match.group(1)})" in text, text
-        assert "2 Trials" in text, text
+        assert f"faults (id={match.group(1)})" in text, text
+        assert "3 Trials" in text, text
         trials = [i for i, line in enumerate(text) if re.fullmatch(r"Trial \d+", line)]
-        assert [text[i] for i in trials] == ["Trial 0", "Trial 1"] and all(text[i + 1] == "Complete" for i in trials)
+        assert [text[i] for i in trials] == ["Trial 0", "Trial 1", "Trial 2"], text
+        assert [text[i + 1] for i in trials] == [t.state.name.capitalize() for t in trials_of_study], text
 
         # The study's page (history, importance, timeline) as a CI artifact.
         ARTIFACTS.mkdir(parents=True, exist_ok=True)

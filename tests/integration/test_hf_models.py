@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -69,13 +70,15 @@ def models(tmp_path_factory):
     (root / "corpus.txt").write_text("\n".join(lines) + "\n")
     (root / "corpus.jsonl").write_text("".join(f'{{"text": "{line}"}}\n' for line in lines))
     # Qwen2.5-0.5B's shape in small: tied embeddings; its teacher has a padded output layer (like 7B vs 0.5B)
-    save_arch(root / "student", "qwen2", tok, hidden=64, layers=2, seed=0)
-    save_arch(root / "teacher", "qwen2", tok, hidden=96, layers=2, seed=1, pad_vocab=16)
-    save_arch(root / "gemma2", "gemma2", tok, hidden=32, layers=2, seed=0)
     hf_home = root / "hf_home"
-    cache_model(hf_home, STUDENT, root / "student")
-    cache_model(hf_home, TEACHER.split("@")[0], root / "teacher", revision="v1")
-    cache_dataset(hf_home, DATASET, root / "corpus.jsonl")
+    with ThreadPoolExecutor(1) as pool:  # datasets' builder runs in its own process while the models are saved
+        dataset = pool.submit(cache_dataset, hf_home, DATASET, root / "corpus.jsonl")
+        save_arch(root / "student", "qwen2", tok, hidden=64, layers=2, seed=0)
+        save_arch(root / "teacher", "qwen2", tok, hidden=96, layers=2, seed=1, pad_vocab=16)
+        save_arch(root / "gemma2", "gemma2", tok, hidden=32, layers=2, seed=0)
+        cache_model(hf_home, STUDENT, root / "student")
+        cache_model(hf_home, TEACHER.split("@")[0], root / "teacher", revision="v1")
+        dataset.result()
     return root
 
 
@@ -92,17 +95,29 @@ JOB = ["data=text", "data.seq_len=32", "data.eval_fraction=0.1", "data.batch_siz
        "train.eval_every=100", "checkpoint.save_every=0", "checkpoint.export_merged=false", "lr=3e-3", *QUIET]
 
 
-def test_hub_ids_resolve_from_the_cache_offline_on_one_and_two_ranks(models, tmp_path):
+@pytest.fixture(scope="module")
+def offline_runs(models, tmp_path_factory):
+    """Offline, side by side: the job on the local directories, and the same job on the hub ids on one and two
+    ranks (one multirun over dist.nproc_per_node=1,2: jobs 0 and 1). The run directories and finished processes."""
+    root = tmp_path_factory.mktemp("offline")
     env = offline(models)
-    local = tmp_path / "local"
-    proc = run_kdsweep([*JOB, f"model.path={models / 'student'}", f"teacher.path={models / 'teacher'}",
-                        f"data.datasets.0.path={models / 'corpus.txt'}", f"hydra.run.dir={local}"], tmp_path, env)
+    local, hub = root / "local", root / "hub"
+    with ThreadPoolExecutor(1) as pool:
+        local_done = pool.submit(run_kdsweep, [
+            *JOB, f"model.path={models / 'student'}", f"teacher.path={models / 'teacher'}",
+            f"data.datasets.0.path={models / 'corpus.txt'}", f"hydra.run.dir={local}"], root, env)
+        hub_proc = run_kdsweep(["-m", *JOB, f"model.path={STUDENT}", f"teacher.path={TEACHER}",
+                                f"data.datasets.0.path={DATASET}", "dist.nproc_per_node=1,2",
+                                f"hydra.sweep.dir={hub}"], root, env)
+        return {"local": (local, local_done.result()), "hub": {1: (hub / "0", hub_proc), 2: (hub / "1", hub_proc)}}
+
+
+def test_hub_ids_resolve_from_the_cache_offline_on_one_and_two_ranks(offline_runs):
+    local, proc = offline_runs["local"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     expected = read_run(local)["objective"]
-    hub = [*JOB, f"model.path={STUDENT}", f"teacher.path={TEACHER}", f"data.datasets.0.path={DATASET}"]
     for ranks in (1, 2):
-        run_dir = tmp_path / f"hub{ranks}"
-        proc = run_kdsweep([*hub, f"dist.nproc_per_node={ranks}", f"hydra.run.dir={run_dir}"], tmp_path, env)
+        run_dir, proc = offline_runs["hub"][ranks]
         assert proc.returncode == 0, proc.stderr[-3000:]
         record = read_run(run_dir)
         assert record["world_size"] == ranks and record["config"]["model"]["path"] == STUDENT
@@ -110,7 +125,7 @@ def test_hub_ids_resolve_from_the_cache_offline_on_one_and_two_ranks(models, tmp
 
 
 @pytest.mark.usefixtures("slurm_cluster")
-def test_hub_ids_resolve_in_a_slurm_job(models, tmp_path):
+def test_hub_ids_resolve_in_a_slurm_job(models, offline_runs, tmp_path):
     sweep = tmp_path / "sweep"
     env = offline(models)  # with the cluster's SLURM_CONF and PATH, which the slurm_cluster fixture set
     proc = run_kdsweep(["-m", *JOB, f"model.path={STUDENT}", f"teacher.path={TEACHER}",
@@ -119,9 +134,7 @@ def test_hub_ids_resolve_in_a_slurm_job(models, tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     record = read_run(sweep / "0")
     assert record["status"] == "completed" and record["world_size"] == 2 and record["environment"]["slurm"]
-    local = tmp_path / "local"
-    proc = run_kdsweep([*JOB, f"model.path={STUDENT}", f"teacher.path={TEACHER}", f"data.datasets.0.path={DATASET}",
-                        f"hydra.run.dir={local}"], tmp_path, offline(models))
+    local, _ = offline_runs["hub"][1]  # the same job on one local rank, offline
     assert record["objective"] == pytest.approx(read_run(local)["objective"], abs=1e-5)
 
 
@@ -158,19 +171,21 @@ RESUME = ["model.path={root}/student", "teacher.path={root}/teacher", "data=text
 def test_tied_student_under_a_padded_teacher_on_two_ranks_resumes_after_kill_9(models, tmp_path):
     args = [a.format(root=models) for a in RESUME]
     reference = tmp_path / "reference"
-    kdsweep(*args, f"hydra.run.dir={reference}", cwd=tmp_path)
+    with ThreadPoolExecutor(1) as pool:  # the uninterrupted reference runs beside the killed run and its resume
+        reference_done = pool.submit(kdsweep, *args, f"hydra.run.dir={reference}", cwd=tmp_path)
 
-    kill_at = random.Random(time.time_ns()).randint(4, 24)
-    print(f"killing the job's process group at step {kill_at}")
-    run_dir = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "kdsweep", *args, f"hydra.run.dir={run_dir}"], cwd=tmp_path,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    reached = _wait_for_step(run_dir, kill_at, proc, time.time() + 300)
-    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both ranks at once, as when a node dies
-    proc.wait()
-    assert read_run(run_dir)["status"] == "running"
+        kill_at = random.Random(time.time_ns()).randint(4, 24)
+        print(f"killing the job's process group at step {kill_at}")
+        run_dir = tmp_path / "killed"
+        proc = subprocess.Popen([sys.executable, "-m", "kdsweep", *args, f"hydra.run.dir={run_dir}"], cwd=tmp_path,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        reached = _wait_for_step(run_dir, kill_at, proc, time.time() + 300)
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both ranks at once, as when a node dies
+        proc.wait()
+        assert read_run(run_dir)["status"] == "running"
 
-    kdsweep(*args, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+        kdsweep(*args, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+        reference_done.result()
     record = read_run(run_dir)
     assert record["status"] == "completed" and record["attempts"] == 2 and record["world_size"] == 2
     assert 3 * ((reached - 1) // 3) <= record["start_step"] < 30

@@ -8,6 +8,8 @@ rows) run the real command.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 from hydra import compose, initialize_config_dir
 
@@ -80,9 +82,11 @@ RUNTIME = {
 def test_a_launch_hint_typed_as_it_says_runs(case, tmp_path, zoo_dirs):
     bad, words, fix = RUNTIME[case]
     common = ["train=smoke", "train.max_steps=1", "checkpoint.export_merged=false", *QUIET]
-    proc = kdsweep(*common, *bad, f"hydra.run.dir={tmp_path / 'bad'}", cwd=tmp_path, check=False)
+    fixed = [a for a in bad if a.split("=")[0] not in {f.split("=")[0] for f in fix}] + fix
+    with ThreadPoolExecutor(1) as pool:  # the refused command and the fixed one are independent: side by side
+        fixed_done = pool.submit(kdsweep, *common, *fixed, f"hydra.run.dir={tmp_path / 'fixed'}", cwd=tmp_path)
+        proc = kdsweep(*common, *bad, f"hydra.run.dir={tmp_path / 'bad'}", cwd=tmp_path, check=False)
+        fixed_done.result()
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and words in lines[0], proc.stderr
-    fixed = [a for a in bad if a.split("=")[0] not in {f.split("=")[0] for f in fix}] + fix
-    kdsweep(*common, *fixed, f"hydra.run.dir={tmp_path / 'fixed'}", cwd=tmp_path)
     assert read_run(tmp_path / "fixed")["status"] == "completed"

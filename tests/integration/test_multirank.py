@@ -1,4 +1,9 @@
-"""Multi-rank jobs on CPU (gloo): 2 ranks match 1 rank; a kill -9 of one rank resumes; torchrun matches."""
+"""Multi-rank jobs on CPU (gloo): 2 ranks match 1 rank; a kill -9 of one rank resumes; torchrun matches.
+
+A job costs mostly its processes' start-up, so a job that several tests read runs once (a module fixture), and jobs
+that differ only in overrides run as one Hydra multirun: one process runs them one after another, a 1-rank job in
+itself and a 2-rank job in two spawned ranks. Every test keeps its own assertions on its own job.
+"""
 
 import os
 import random
@@ -6,8 +11,10 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import QUIET, kdsweep, read_metrics, read_run
 from test_resume import _wait_for_step
@@ -31,17 +38,97 @@ def assert_same_run(a, b, tol=1e-5):
     assert read_run(a)["objective"] == pytest.approx(read_run(b)["objective"], abs=tol)
 
 
+def _case_config(overrides):
+    """A ``# @package _global_`` option that sets what OVERRIDES set (``group=option`` as ``override /group``)."""
+    defaults, body = [], {}
+    for o in overrides:
+        key, value = o.split("=", 1)
+        if "." not in key:
+            defaults.append({f"override /{key}": value})
+            continue
+        *parents, leaf = key.split(".")
+        node = body
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = yaml.safe_load(value)
+    return "# @package _global_\n" + yaml.safe_dump({"defaults": defaults, **body} if defaults else body)
+
+
+def _assert_applied(run_dir, overrides):
+    """The job's resolved config holds what its case's overrides say (a case that silently did not apply would
+    still match its reference)."""
+    from kdsweep.app import conf_dir
+
+    values = {}
+    for o in overrides:
+        key, value = o.split("=", 1)
+        if "." not in key:  # a group option: the values its file sets, unless a dotted override of the case changes one
+            option = yaml.safe_load((Path(conf_dir()) / key / f"{value}.yaml").read_text())
+            values.update({f"{key}.{k}": v for k, v in option.items() if k != "defaults"})
+    values.update({k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in overrides) if "." in k})
+    config = read_run(run_dir)["config"]
+    for key, value in values.items():
+        node = config
+        for part in key.split("."):
+            node = node[part]
+        assert node == value, (run_dir, key, node, value)
+
+
+def multirun(root, cases, *common):
+    """CASES (name -> that job's overrides, COMMON ones for all) as one Hydra multirun in ROOT/sweep.
+
+    A grid of comma lists sweeps only a cartesian product, so each case is an option of a ``case`` config group
+    in ROOT/conf (``-m +case=a,b,...``, as ``+experiment=...`` selects a preset). Returns the finished process and
+    each case's run directory; every job that ran is checked to hold its case's overrides."""
+    conf = root / "conf" / "case"
+    conf.mkdir(parents=True)
+    for name, overrides in cases.items():
+        (conf / f"{name}.yaml").write_text(_case_config(overrides))
+    sweep = root / "sweep"
+    proc = kdsweep("-m", f"+case={','.join(cases)}", f"hydra.searchpath=[file://{root / 'conf'}]", *common,
+                   f"hydra.sweep.dir={sweep}", cwd=root, check=False)
+    dirs = {name: sweep / str(i) for i, name in enumerate(cases)}
+    for name, overrides in cases.items():
+        if (dirs[name] / "run.json").exists():
+            _assert_applied(dirs[name], overrides)
+    return proc, dirs
+
+
+def summary_line(proc, run_dir):
+    """The 'held-out CE: before ... -> after ...' line the job printed (the line before its 'outputs: RUN_DIR')."""
+    lines = proc.stdout.splitlines()
+    at = [i for i, line in enumerate(lines) if line.startswith(f"outputs: {run_dir} (")]
+    assert len(at) == 1 and at[0] > 0 and lines[at[0] - 1].startswith("held-out CE: before"), proc.stdout
+    return lines[at[0] - 1]
+
+
+def completed(proc):
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
 @pytest.fixture(scope="module")
-def one_rank(tmp_path_factory, zoo_dirs):
-    root = tmp_path_factory.mktemp("one_rank")
-    kdsweep(*SMALL, f"hydra.run.dir={root / 'run'}", cwd=root)
-    return root / "run"
+def small(tmp_path_factory, zoo_dirs):
+    """The 1-rank SMALL job every 2-rank result must match, and two 2-rank jobs of it: one multirun."""
+    root = tmp_path_factory.mktemp("small")
+    proc, dirs = multirun(root, {
+        "one_rank": [],
+        "two": ["dist=fsdp2_local"],
+        "options": ["dist=fsdp2_local", "dist.activation_checkpointing=true", "dist.cpu_offload=true",
+                    "dist.reshard_after_forward=false"],
+    }, *SMALL)
+    return completed(proc), dirs
 
 
-def test_two_ranks_match_one_rank(one_rank, tmp_path):
-    run_dir = tmp_path / "two"
-    proc = kdsweep(*SMALL, "dist=fsdp2_local", f"hydra.run.dir={run_dir}", cwd=tmp_path)
-    assert "2 ranks" in proc.stdout
+@pytest.fixture(scope="module")
+def one_rank(small):
+    return small[1]["one_rank"]
+
+
+def test_two_ranks_match_one_rank(small, one_rank):
+    proc, dirs = small
+    run_dir = dirs["two"]
+    assert "2 ranks" in summary_line(proc, run_dir)
     assert_same_run(one_rank, run_dir)
     record = read_run(run_dir)
     assert record["config"]["dist"]["nproc_per_node"] == 2
@@ -54,25 +141,34 @@ def test_two_ranks_match_one_rank(one_rank, tmp_path):
     assert (run_dir / "final" / "adapter" / "adapter_model.safetensors").exists()
 
 
-def test_torchrun_matches_the_builtin_launcher(one_rank, tmp_path):
-    run_dir = tmp_path / "torchrun"
+def test_sharding_options_keep_the_result(small, one_rank):
+    """Activation checkpointing, CPU offload and no resharding change memory and speed, not the numbers."""
+    assert_same_run(one_rank, small[1]["options"])
+
+
+@pytest.fixture(scope="module")
+def torchrun_job(tmp_path_factory, zoo_dirs):
+    """A SMALL job under torchrun without hydra.run.dir: each rank resolves ${now:...} itself."""
+    root = tmp_path_factory.mktemp("torchrun")
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    proc = subprocess.run([torchrun, "--nproc_per_node", "2", "-m", "kdsweep", *SMALL, f"hydra.run.dir={run_dir}"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([torchrun, "--nproc_per_node", "2", "-m", "kdsweep", *SMALL],
+                          cwd=root, capture_output=True, text=True, timeout=600)
+    return proc, [p for p in (root / "outputs" / "runs").glob("*/*") if p.is_dir()]
+
+
+def test_torchrun_matches_the_builtin_launcher(torchrun_job, one_rank):
+    proc, runs = torchrun_job
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("held-out CE: before") == 1  # one voice per job
     assert "2 ranks" in proc.stdout
-    assert_same_run(one_rank, run_dir)
+    assert len(runs) == 1, runs
+    assert_same_run(one_rank, runs[0])
 
 
-def test_torchrun_ranks_agree_on_the_output_dir(tmp_path, zoo_dirs):
+def test_torchrun_ranks_agree_on_the_output_dir(torchrun_job):
     """Without hydra.run.dir each rank resolves ${now:...} itself; rank 0's directory must win."""
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    proc = subprocess.run([torchrun, "--nproc_per_node", "2", "-m", "kdsweep", "train.max_steps=1",
-                           "checkpoint.export_merged=false", "checkpoint.export_adapter=false", *QUIET],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    proc, runs = torchrun_job
     assert proc.returncode == 0, proc.stderr[-3000:]
-    runs = [p for p in (tmp_path / "outputs" / "runs").glob("*/*") if p.is_dir()]
     assert len(runs) == 1 and read_run(runs[0])["status"] == "completed"
 
 
@@ -104,41 +200,50 @@ def test_kill_9_of_one_rank_then_rerun_resumes(one_rank, tmp_path):
     assert_same_run(one_rank, run_dir)
 
 
-def test_sharding_options_keep_the_result(one_rank, tmp_path):
-    """Activation checkpointing, CPU offload and no resharding change memory and speed, not the numbers."""
-    run_dir = tmp_path / "options"
-    kdsweep(*SMALL, "dist=fsdp2_local", "dist.activation_checkpointing=true", "dist.cpu_offload=true",
-            "dist.reshard_after_forward=false", f"hydra.run.dir={run_dir}", cwd=tmp_path)
-    assert_same_run(one_rank, run_dir)
+FUSED = ["loss.impl=fused", "loss.num_chunks=5"]
+FUSED_OPTIONS = [[], ["dist=fsdp2_local"],
+                 ["dist=fsdp2_local", "dist.reshard_after_forward=false", "dist.activation_checkpointing=true"]]
 
 
 @pytest.fixture(scope="module")
-def dense_one_rank(tmp_path_factory, zoo_dirs):
-    root = tmp_path_factory.mktemp("dense")
-    kdsweep(*SMALL, "loss.impl=dense", f"hydra.run.dir={root / 'run'}", cwd=root)
-    return root / "run"
+def fused(tmp_path_factory, zoo_dirs):
+    """The dense 1-rank SMALL job and a fused job for each of FUSED_OPTIONS: one multirun."""
+    root = tmp_path_factory.mktemp("fused")
+    cases = {"dense": ["loss.impl=dense"], **{f"fused{i}": [*FUSED, *o] for i, o in enumerate(FUSED_OPTIONS)}}
+    proc, dirs = multirun(root, cases, *SMALL)
+    return completed(proc), dirs
 
 
-@pytest.mark.parametrize("options", [[], ["dist=fsdp2_local"],
-                                     ["dist=fsdp2_local", "dist.reshard_after_forward=false", "dist.activation_checkpointing=true"]])
-def test_fused_loss_matches_dense(dense_one_rank, tmp_path, options):
+@pytest.mark.parametrize("options", FUSED_OPTIONS)
+def test_fused_loss_matches_dense(fused, options):
     """loss.impl=fused (hidden states projected chunk by chunk by the LoRA output layers, FSDP-sharded on 2 ranks)
     trains exactly as the dense logits path on one rank."""
-    run_dir = tmp_path / "fused"
-    kdsweep(*SMALL, "loss.impl=fused", "loss.num_chunks=5", *options, f"hydra.run.dir={run_dir}", cwd=tmp_path)
-    assert_same_run(dense_one_rank, run_dir)
+    dirs = fused[1]
+    assert_same_run(dirs["dense"], dirs[f"fused{FUSED_OPTIONS.index(options)}"])
 
 
 TOO_MANY = len(os.sched_getaffinity(0)) + 1
-def test_bf16_mixed_precision_and_bf16_weights_run(tmp_path, zoo_dirs):
+SMOKE = ["train=smoke", "train.max_steps=2", *QUIET]
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory, zoo_dirs):
+    """2-step smoke jobs, one multirun: fp32 on one rank, then on two; bf16 mixed precision, bf16 weights."""
+    root = tmp_path_factory.mktemp("smoke")
+    return multirun(root, {
+        "fp32": [],
+        "two": ["dist.nproc_per_node=2"],
+        "mixed": ["checkpoint.export_merged=false", "dist=fsdp2_local", "dist.mixed_precision=true"],
+        "bf16": ["checkpoint.export_merged=false", "train.dtype=bf16"],
+    }, *SMOKE)
+
+
+def test_bf16_mixed_precision_and_bf16_weights_run(smoke):
     """Numerics differ from fp32 by design; these runs must train and give a finite objective near it."""
-    fp32 = tmp_path / "fp32"
-    kdsweep("train=smoke", "train.max_steps=2", *QUIET, f"hydra.run.dir={fp32}", cwd=tmp_path)
-    for name, args in (("mixed", ["dist=fsdp2_local", "dist.mixed_precision=true"]), ("bf16", ["train.dtype=bf16"])):
-        run_dir = tmp_path / name
-        kdsweep("train=smoke", "train.max_steps=2", "checkpoint.export_merged=false", *args, *QUIET,
-                f"hydra.run.dir={run_dir}", cwd=tmp_path)
-        assert read_run(run_dir)["objective"] == pytest.approx(read_run(fp32)["objective"], abs=0.05), name
+    proc, dirs = smoke
+    completed(proc)
+    for name in ("mixed", "bf16"):
+        assert read_run(dirs[name])["objective"] == pytest.approx(read_run(dirs["fp32"])["objective"], abs=0.05), name
 
 
 BAD = {
@@ -169,13 +274,10 @@ def test_unresolvable_master_under_torchrun_is_one_line(tmp_path):
     assert proc.returncode == 2 and len(lines) == 1 and "no-such-host.invalid" in lines[0], proc.stderr
 
 
-def test_multirun_of_one_then_two_ranks_in_one_process(tmp_path, zoo_dirs):
+def test_multirun_of_one_then_two_ranks_in_one_process(smoke):
     """The second job's ranks start after this process trained the first job itself (no fork deadlock)."""
-    sweep = tmp_path / "sweep"
-    proc = subprocess.run([sys.executable, "-m", "kdsweep", "-m", "dist.nproc_per_node=1,2", "train=smoke",
-                           "train.max_steps=2", *QUIET, f"hydra.sweep.dir={sweep}"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    one, two = read_run(sweep / "0"), read_run(sweep / "1")
+    proc, dirs = smoke
+    completed(proc)
+    one, two = read_run(dirs["fp32"]), read_run(dirs["two"])
     assert (one["world_size"], two["world_size"]) == (1, 2)
     assert two["objective"] == pytest.approx(one["objective"], abs=1e-5)

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import cloudpickle
@@ -98,6 +99,17 @@ class Counter:
 
 # --- Tests ---
 
+@pytest.fixture(scope="module")
+def early_jobs(tmp_path_factory):
+    """The jobs of test_submitit_two_tasks_return_results and test_submitit_failing_jobs_end_with_failed, submitted
+    when the module's first test starts, so that SLURM schedules and runs them while the sbatch tests run."""
+    root = tmp_path_factory.mktemp("submitit")
+    failing = executor(root / "failing")
+    return {"two_tasks": executor(root / "two_tasks", tasks_per_node=2).submit(rank_and_answer),
+            "raising": failing.submit(boom), "dying": failing.submit(die)}
+
+
+@pytest.mark.usefixtures("early_jobs")
 def test_two_task_sbatch_runs_srun_ranks(tmp_path):
     out = tmp_path / "out.txt"
     rc, _ = sbatch_wait("-n", "2", "-o", str(out), "--wrap", 'srun bash -c "echo SLURM_PROCID=\\$SLURM_PROCID"')
@@ -107,9 +119,9 @@ def test_two_task_sbatch_runs_srun_ranks(tmp_path):
 
 def test_sacct_shim_reports_states_as_submitit_reads_them(tmp_path):
     log = str(tmp_path / "%j.out")
-    rc_ok, ok = sbatch_wait("-o", log, "--wrap", "true")
-    rc_bad, bad = sbatch_wait("-o", log, "--wrap", "exit 3")
-    rc_arr, arr = sbatch_wait("-o", log, "--array=0-2", "--wrap", "exit $SLURM_ARRAY_TASK_ID")
+    with ThreadPoolExecutor(3) as pool:  # three jobs at once, each waited for
+        (rc_ok, ok), (rc_bad, bad), (rc_arr, arr) = pool.map(lambda args: sbatch_wait("-o", log, *args), [
+            ("--wrap", "true"), ("--wrap", "exit 3"), ("--array=0-2", "--wrap", "exit $SLURM_ARRAY_TASK_ID")])
     assert (rc_ok, rc_bad, rc_arr) == (0, 3, 2)
 
     out = sacct(ok, bad, "99999999")  # an unknown id is left out, as sacct does
@@ -134,8 +146,8 @@ def test_sacct_shim_reports_states_as_submitit_reads_them(tmp_path):
     assert state == "CANCELLED"
 
 
-def test_submitit_two_tasks_return_results(tmp_path):
-    job = executor(tmp_path, tasks_per_node=2).submit(rank_and_answer)
+def test_submitit_two_tasks_return_results(early_jobs):
+    job = early_jobs["two_tasks"]
     wait_done(job)
     # submitit 1.5.4's job.result() refuses a multi-task job (AssertionError "use results()"): task 0's value is
     # job.results()[0] (what hydra-submitit-launcher returns) or job.task(0).result().
@@ -144,9 +156,8 @@ def test_submitit_two_tasks_return_results(tmp_path):
     assert final_state(job) == "COMPLETED"
 
 
-def test_submitit_failing_jobs_end_with_failed(tmp_path):
-    ex = executor(tmp_path)
-    raising, dying = ex.submit(boom), ex.submit(die)
+def test_submitit_failing_jobs_end_with_failed(early_jobs):
+    raising, dying = early_jobs["raising"], early_jobs["dying"]
     start = time.monotonic()
     wait_done(raising)
     wait_done(dying)  # done only because sacct says FAILED: there is no result file

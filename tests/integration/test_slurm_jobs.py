@@ -5,10 +5,12 @@ import re
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from conftest import QUIET, kdsweep, read_metrics, read_run
+from test_cli_run import smoke
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
 SLURM = ["hydra/launcher=submitit_slurm", "cluster=local_cpu"]
@@ -34,9 +36,29 @@ def array_job_of(sweep_dir) -> str:
     return job
 
 
-def test_grid_runs_one_two_rank_fsdp_job_per_point(tmp_path, zoo_dirs):
+@pytest.fixture(scope="module")
+def failing_grid(tmp_path_factory):
+    """The grid of test_a_failing_job_shows_failed, started in the background when a test first asks: (its sweep
+    directory, the future of its finished process). Its job fails at once, but its launcher then waits for a
+    result file (submitit's 15 s) that a job leaving with SystemExit never writes: the grid test asks first, so
+    that wait overlaps its jobs."""
+    root = tmp_path_factory.mktemp("failing")
+    sweep = root / "sweep"
+    with ThreadPoolExecutor(1) as pool:
+        yield sweep, pool.submit(kdsweep, "-m", "kd_ratio=0.5", *SLURM, "train.device=cuda", *QUIET,
+                                 f"hydra.sweep.dir={sweep}", cwd=root, check=False)
+
+
+@pytest.mark.usefixtures("failing_grid")
+def test_grid_runs_one_two_rank_fsdp_job_per_point(tmp_path, tmp_path_factory, zoo_dirs):
     sweep = tmp_path / "sweep"
-    proc = kdsweep("-m", "kd_ratio=0.3,0.5,0.7", *SLURM, "train=smoke", *QUIET, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    with ThreadPoolExecutor(1) as pool:
+        # the local 1-rank run of point kd_ratio=0.5 (train=smoke at the default kd_ratio=0.5: the smoke run
+        # test_cli_run checks, made once per session), beside the grid unless that module has made it already
+        local_done = pool.submit(smoke, tmp_path_factory)
+        proc = kdsweep("-m", "kd_ratio=0.3,0.5,0.7", *SLURM, "train=smoke", *QUIET, f"hydra.sweep.dir={sweep}",
+                       cwd=tmp_path)
+        local, _ = local_done.result()
     table = re.findall(r"job (\d): objective ([\d.]+)\s+completed\s+ranks 2 slurm (\S+)", proc.stdout)
     assert [j for j, _, _ in table] == ["0", "1", "2"], proc.stdout
     records = [read_run(sweep / str(i)) for i in range(3)]
@@ -50,15 +72,12 @@ def test_grid_runs_one_two_rank_fsdp_job_per_point(tmp_path, zoo_dirs):
     assert sorted(states) == [f"{array_job}_{i}" for i in range(3)] and set(states.values()) == {"COMPLETED"}, states
 
     # the SLURM 2-rank result is the local 1-rank result of the same point
-    local = tmp_path / "local"
-    kdsweep("kd_ratio=0.5", "train=smoke", *QUIET, f"hydra.run.dir={local}", cwd=tmp_path)
     assert records[1]["objective"] == pytest.approx(read_run(local)["objective"], abs=1e-5)
 
 
-def test_a_failing_job_shows_failed(tmp_path):
-    sweep = tmp_path / "sweep"
-    proc = kdsweep("-m", "kd_ratio=0.5", *SLURM, "train.device=cuda", *QUIET, f"hydra.sweep.dir={sweep}",
-                   cwd=tmp_path, check=False)
+def test_a_failing_job_shows_failed(failing_grid):
+    sweep, proc = failing_grid
+    proc = proc.result()
     assert proc.returncode != 0
     assert "train.device=cuda but no CUDA device" in proc.stdout + proc.stderr  # the job's one line reaches the user
     states = wait_for_states(array_job_of(sweep), {"FAILED", "COMPLETED"})
@@ -81,7 +100,11 @@ def test_preempted_job_checkpoints_at_the_signal_requeues_and_resumes(tmp_path, 
     array_job = array_job_of(sweep)
     # what SLURM sends before preemption or the time limit (submitit asks for USR2)
     subprocess.run(["scancel", "--signal=USR2", array_job], check=True)
-    out, _ = proc.communicate(timeout=300)
+    reference = tmp_path / "reference"
+    with ThreadPoolExecutor(1) as pool:  # the uninterrupted reference runs while the job waits to be requeued
+        reference_done = pool.submit(kdsweep, *PREEMPT, f"hydra.run.dir={reference}", cwd=tmp_path)
+        out, _ = proc.communicate(timeout=300)
+        reference_done.result()
     assert proc.returncode == 0, out[-3000:]
 
     record = read_run(sweep / "0")
@@ -93,6 +116,4 @@ def test_preempted_job_checkpoints_at_the_signal_requeues_and_resumes(tmp_path, 
     assert f"preempted at step {signal_step} (checkpoint written)" in logs and "Requeued job" in logs
     assert [r["step"] for r in read_metrics(sweep / "0") if r["kind"] == "train"] == list(range(1, 25))
 
-    reference = tmp_path / "reference"
-    kdsweep(*PREEMPT, f"hydra.run.dir={reference}", cwd=tmp_path)
     assert record["objective"] == pytest.approx(read_run(reference)["objective"], abs=1e-5)

@@ -3,6 +3,7 @@
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -33,7 +34,12 @@ def test_optuna_sweep_of_two_rank_slurm_trials_survives_a_requeue(tmp_path, zoo_
         time.sleep(0.3)
     job = manifest(sweep_dir)["trials"]["0"]["job"]["slurm_job_id"]
     subprocess.run(["scontrol", "requeue", job], check=True)  # what preemption does to a job
-    out, _ = proc.communicate(timeout=420)
+    reference = tmp_path / "reference"
+    with ThreadPoolExecutor(1) as pool:  # the uninterrupted reference runs while trial 0 waits to be requeued
+        reference_done = pool.submit(kdsweep, "hparams_search=slurm", f"hydra.searchpath=[file://{tmp_path / 'conf'}]",
+                                     "kd_ratio=0.5", f"hydra.run.dir={reference}", cwd=tmp_path)
+        out, _ = proc.communicate(timeout=420)
+        reference_done.result()
     assert proc.returncode == 0, out[-3000:]
 
     trials = study(sweep_dir, "slurm").trials
@@ -61,14 +67,13 @@ def test_optuna_sweep_of_two_rank_slurm_trials_survives_a_requeue(tmp_path, zoo_
     assert entries["2"]["started"] < entries["0"]["ended"]
 
     # the resumed 2-rank SLURM trial equals an uninterrupted local run of the same point
-    reference = tmp_path / "reference"
-    kdsweep("hparams_search=slurm", f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "kd_ratio=0.5",
-            f"hydra.run.dir={reference}", cwd=tmp_path)
     assert record["objective"] == pytest.approx(read_run(reference)["objective"], abs=1e-5)
 
-    status = kdsweep("status", str(sweep_dir), cwd=tmp_path).stdout
+    with ThreadPoolExecutor(2) as pool:  # two read-only commands, side by side
+        commands = [pool.submit(kdsweep, *args, cwd=tmp_path) for args in (("status", str(sweep_dir)),
+                                                                           ("logs", str(sweep_dir), "1"))]
+        status, logs = (c.result().stdout for c in commands)
     assert f"slurm {job}" in status and "<- best" in status
-    logs = kdsweep("logs", str(sweep_dir), "1", cwd=tmp_path).stdout
     assert f"{jobs[1]}_0_log.err <==" in logs and "no CUDA device" in logs
 
 

@@ -17,6 +17,7 @@ import optuna
 import pytest
 
 from conftest import tiny_sweep
+from test_teacher_cache import local_cache_sweep
 
 pytestmark = pytest.mark.slow
 
@@ -57,17 +58,20 @@ def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
                           env=env or without_storage_env())
 
 
-def check_completed(study: optuna.Study, sweep_dir: Path) -> None:
-    """Both trials COMPLETE in the storage, with the values the controller saw."""
+def check_completed(study: optuna.Study, sweep_dir: Path, n: int = 2,
+                    status: subprocess.CompletedProcess | None = None) -> subprocess.CompletedProcess:
+    """All ``n`` trials COMPLETE in the storage, with the values the controller saw, and so in `kdsweep status`
+    (``status``: that command's run, if it was made already); returns that run."""
     trials = study.get_trials()
-    assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"]
+    assert [t.state.name for t in trials] == ["COMPLETE"] * n
     manifest = json.loads((sweep_dir / "sweep.json").read_text())["trials"]
     for t in trials:
         assert t.value == pytest.approx(manifest[str(t.number)]["values"][0]) and 0 < t.value < 20
         assert set(t.params) == {"kd_ratio"}
     assert not (sweep_dir / "optuna.db").exists(), "the study must live in the given storage, not SQLite"
-    status = cli("status", str(sweep_dir))
-    assert status.returncode == 0 and status.stdout.count("COMPLETE") == 2 and "<- best" in status.stdout, status.stderr
+    status = status or cli("status", str(sweep_dir))
+    assert status.returncode == 0 and status.stdout.count("COMPLETE") == n and "<- best" in status.stdout, status.stderr
+    return status
 
 
 def test_postgresql_storage_with_a_password(tmp_path, zoo_dirs, postgres_server, monkeypatch):
@@ -79,8 +83,8 @@ def test_postgresql_storage_with_a_password(tmp_path, zoo_dirs, postgres_server,
     assert files_holding(tmp_path, key) == [] and key not in proc.stdout + proc.stderr
     assert all(list((sweep_dir / str(n) / "wandb").glob("offline-run-*")) for n in (0, 1))  # W&B really ran
 
-    check_completed(optuna.load_study(study_name="pg_study", storage=url), sweep_dir)
-    assert "kdsweep:***@127.0.0.1" in cli("status", str(sweep_dir)).stdout
+    status = check_completed(optuna.load_study(study_name="pg_study", storage=url), sweep_dir)
+    assert "kdsweep:***@127.0.0.1" in status.stdout
     # Nowhere on disk (sweep.json, run.json, logs, Hydra's saved configs, checkpoints) and nowhere printed.
     assert files_holding(tmp_path, secret) == []
     assert secret not in proc.stdout + proc.stderr
@@ -117,13 +121,14 @@ def test_postgresql_storage_with_a_password(tmp_path, zoo_dirs, postgres_server,
         dash.wait(timeout=30)
 
 
-def test_journal_file_storage(tmp_path, zoo_dirs):
-    journal = tmp_path / "journal" / "study.log"
-    sweep_dir, _ = tiny_sweep(tmp_path, "journal_study", f"hydra.sweeper.storage=journal://{journal}")
+def test_journal_file_storage(tmp_path_factory, zoo_dirs):
+    """On test_teacher_cache.py's sweep of 3 local trials (built once for both), whose study is in a journal file."""
     from optuna.storages.journal import JournalFileBackend
 
-    storage = optuna.storages.JournalStorage(JournalFileBackend(str(journal)))
-    check_completed(optuna.load_study(study_name="journal_study", storage=storage), sweep_dir)
+    sweep = local_cache_sweep(tmp_path_factory)
+    storage = optuna.storages.JournalStorage(JournalFileBackend(str(sweep.journal)))
+    check_completed(optuna.load_study(study_name="cache_local", storage=storage), sweep.sweep_dir, n=3,
+                    status=sweep.status)
 
 
 @pytest.mark.parametrize("case", ["closed_port", "wrong_password"])

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import optuna
 import pytest
@@ -80,21 +81,47 @@ def test_pruned_two_rank_trial_stops_on_every_rank(tmp_path, zoo_dirs):
     assert steps == [1, 2]
 
 
-def test_a_failing_trial_is_fail_with_its_reason_and_the_sweep_goes_on(tmp_path, zoo_dirs):
-    sweep_dir = tmp_path / "sweep"
-    args = search(tmp_path, "faults", {
-        "n_trials": 3, "max_concurrent": 2, "sampler": "random", "pruner": "none",
-        "params": {"train.device": "choice(cpu,cuda)"},
-        "enqueue": [{"train.device": "cuda"}, {"train.device": "cpu"}, {"train.device": "cpu"}],
-    }, {"train": {"eval_every": 2, "max_steps": 2}})
-    proc = kdsweep(*args, f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path)
+_BUILT: dict = {}
+
+
+def faults_sweep(tmp_path_factory):
+    """3 trials of 2 steps, 2 at a time: the first asks for CUDA (none here), the other two run on the CPU. Returns
+    the sweep directory and the finished sweep's process.
+
+    Built once per session (a failed build is not tried again): test_dashboard.py renders this sweep too. A
+    fixture imported into another module would be a second fixture there, and build it a second time."""
+    if "faults" not in _BUILT:
+        try:
+            tmp_path = tmp_path_factory.mktemp("faults")
+            sweep_dir = tmp_path / "sweep"
+            args = search(tmp_path, "faults", {
+                "n_trials": 3, "max_concurrent": 2, "sampler": "random", "pruner": "none",
+                "params": {"train.device": "choice(cpu,cuda)"},
+                "enqueue": [{"train.device": "cuda"}, {"train.device": "cpu"}, {"train.device": "cpu"}],
+            }, {"train": {"eval_every": 2, "max_steps": 2}})
+            _BUILT["faults"] = sweep_dir, kdsweep(*args, f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path)
+        except Exception as e:
+            _BUILT["faults"] = e
+            raise
+    if isinstance(_BUILT["faults"], Exception):
+        raise _BUILT["faults"]
+    return _BUILT["faults"]
+
+
+def test_a_failing_trial_is_fail_with_its_reason_and_the_sweep_goes_on(tmp_path_factory, zoo_dirs):
+    sweep_dir, proc = faults_sweep(tmp_path_factory)
     trials = study(sweep_dir, "faults").trials
     assert [t.state.name for t in trials] == ["FAIL", "COMPLETE", "COMPLETE"]
     assert "no CUDA device" in trials[0].user_attrs["reason"]
     assert "FAIL" in proc.stdout and "no CUDA device" in proc.stdout
 
 
-def test_resume_after_kill_9_of_the_controller(tmp_path, zoo_dirs):
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory, zoo_dirs):
+    """A 4-trial sweep whose controller was killed (kill -9) once a trial had completed while another ran, then
+    resumed (`kdsweep resume`): what the manifest held then, and the resume's run. The changed-space test below
+    reruns its command too."""
+    tmp_path = tmp_path_factory.mktemp("resume")
     sweep_dir = tmp_path / "sweep"
     args = search(tmp_path, "resume", {
         "n_trials": 4, "max_concurrent": 2, "sampler": "tpe", "seed": 3, "pruner": "none",
@@ -117,6 +144,11 @@ def test_resume_after_kill_9_of_the_controller(tmp_path, zoo_dirs):
 
     out = subprocess.run([sys.executable, "-m", "kdsweep", "resume", str(sweep_dir)], cwd=tmp_path,
                          capture_output=True, text=True, timeout=600)
+    return SimpleNamespace(tmp_path=tmp_path, sweep_dir=sweep_dir, args=args, before=before, running=running, out=out)
+
+
+def test_resume_after_kill_9_of_the_controller(resumed):
+    sweep_dir, before, running, out = resumed.sweep_dir, resumed.before, resumed.running, resumed.out
     assert out.returncode == 0, out.stderr[-3000:]
     after = manifest(sweep_dir)["trials"]
     assert sorted(int(n) for n in after) == [0, 1, 2, 3]  # numbering continued, budget honoured
@@ -161,12 +193,10 @@ def test_an_empty_search_space_is_one_line(tmp_path):
     assert proc.returncode == 2 and len(lines) == 1 and "hydra.sweeper.params is empty" in lines[0], proc.stderr
 
 
-def test_a_changed_search_space_is_refused_on_resume(tmp_path, zoo_dirs):
-    sweep_dir = tmp_path / "sweep"
-    args = search(tmp_path, "space", {"n_trials": 1, "max_concurrent": 1, "pruner": "none",
-                                      "params": {"kd_ratio": "interval(0.0,1.0)"}}, {"train": {"max_steps": 2}})
-    kdsweep(*args, f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path)
-    proc = kdsweep(*args, "kd_ratio=interval(0.0,0.5)", f"hydra.sweep.dir={sweep_dir}",
-                   cwd=tmp_path, check=False)
+def test_a_changed_search_space_is_refused_on_resume(resumed):
+    """The resumed sweep above (its search space kd_ratio=interval(0.0,1.0)), rerun by its command with another."""
+    assert resumed.out.returncode == 0, resumed.out.stderr[-3000:]  # it ran to its end
+    proc = kdsweep(*resumed.args, "kd_ratio=interval(0.0,0.5)", f"hydra.sweep.dir={resumed.sweep_dir}",
+                   cwd=resumed.tmp_path, check=False)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and "different search space" in lines[0], proc.stderr

@@ -6,11 +6,14 @@ SLURM trials); bad input is one line before anything runs."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -194,10 +197,40 @@ def assert_one_teacher_pass(sweep_dir: Path, out: str, trials: int = 3) -> None:
     assert sweep["cost"]["cache_builds"] == 1 and sweep["cost"]["teacher_tokens_read"] > 0
 
 
-def test_a_sweep_runs_one_teacher_pass_with_local_trials(tmp_path, zoo_dirs):
-    sweep_dir, proc = tiny_sweep(tmp_path, "cache_local", *SWEEP, f"teacher.cache.dir={tmp_path / 'tc'}")
-    assert_one_teacher_pass(sweep_dir, proc.stdout + proc.stderr)
-    status = kdsweep("status", str(sweep_dir), cwd=tmp_path).stdout
+_BUILT: dict[str, SimpleNamespace | Exception] = {}
+
+
+def local_cache_sweep(tmp_path_factory) -> SimpleNamespace:
+    """The sweep of local trials below, its study in a journal file, and its `kdsweep status` (run without
+    KDSWEEP_STORAGE_URL): ``sweep_dir``, ``out`` (the sweep's output), ``journal``, ``status``.
+
+    Built once per session (a failed build is not tried again): test_storages.py checks the journal storage on
+    it. A fixture imported into another module would be a second fixture there, and build it a second time."""
+    if "local" not in _BUILT:
+        try:
+            root = tmp_path_factory.mktemp("cache_local")
+            journal = root / "journal" / "study.log"
+            sweep_dir, proc = tiny_sweep(root, "cache_local", *SWEEP, f"teacher.cache.dir={root / 'tc'}",
+                                         f"hydra.sweeper.storage=journal://{journal}")
+            status = subprocess.run([sys.executable, "-m", "kdsweep", "status", str(sweep_dir)], cwd=root,
+                                    capture_output=True, text=True, timeout=120,
+                                    env={k: v for k, v in os.environ.items() if k != "KDSWEEP_STORAGE_URL"})
+            _BUILT["local"] = SimpleNamespace(sweep_dir=sweep_dir, out=proc.stdout + proc.stderr, journal=journal,
+                                              status=status)
+        except Exception as e:
+            _BUILT["local"] = e
+            raise
+    if isinstance(_BUILT["local"], Exception):
+        raise _BUILT["local"]
+    return _BUILT["local"]
+
+
+def test_a_sweep_runs_one_teacher_pass_with_local_trials(tmp_path_factory, zoo_dirs):
+    """3 local trials (their study in a journal file: the storage does not matter here)."""
+    sweep = local_cache_sweep(tmp_path_factory)
+    assert_one_teacher_pass(sweep.sweep_dir, sweep.out)
+    assert sweep.status.returncode == 0, sweep.status.stderr
+    status = sweep.status.stdout
     assert "teacher: " in status and "(1 cache build)" in status and "saved (estimates)" in status
 
 

@@ -93,21 +93,28 @@ def test_wandb_and_tensorboard_histories_survive_kill_and_preemption(tmp_path, z
     assert not [p for p in tmp_path.rglob("*") if p.is_file() and env["WANDB_API_KEY"].encode() in p.read_bytes()]
 
 
-def test_profiled_run_writes_a_chrome_trace(tmp_path, zoo_dirs):
-    run_dir = tmp_path / "run"
-    kdsweep("train=smoke", "profiler.enabled=true", "profiler.wait=1", "profiler.warmup=1", "profiler.active=2",
-            "checkpoint.export_merged=false", *QUIET, f"hydra.run.dir={run_dir}", cwd=tmp_path)
-    trace = json.loads((run_dir / "profile" / "trace_rank0.json").read_text())  # chrome://tracing's format
-    events = trace["traceEvents"]
-    assert {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")} == {"ProfilerStep#2", "ProfilerStep#3"}
-    assert any(e.get("ph") == "X" and e.get("name", "").startswith("aten::") for e in events)  # real ops, timed
-    assert read_run(run_dir)["status"] == "completed"
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory, zoo_dirs):
+    """A Hydra grid of two smoke runs (W&B on, the profiler over steps 2-3), both run by one process: the grid
+    test reads their W&B runs, the profiler test their traces."""
+    sweep = tmp_path_factory.mktemp("grid") / "grid"
+    kdsweep("-m", "kd_ratio=0.3,0.7", "train=smoke", "logger.wandb.enabled=true", "profiler.enabled=true",
+            "profiler.wait=1", "profiler.warmup=1", "profiler.active=2", "checkpoint.export_merged=false", *QUIET,
+            f"hydra.sweep.dir={sweep}", cwd=sweep.parent)
+    return sweep
 
 
-def test_a_hydra_grid_groups_its_runs_by_sweep_directory(tmp_path, zoo_dirs):
-    sweep = tmp_path / "grid"
-    kdsweep("-m", "kd_ratio=0.3,0.7", "train=smoke", "logger.wandb.enabled=true", "checkpoint.export_merged=false",
-            *QUIET, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+def test_profiled_run_writes_a_chrome_trace(grid):
+    for run_dir in (grid / "0", grid / "1"):  # the second job of the process too
+        trace = json.loads((run_dir / "profile" / "trace_rank0.json").read_text())  # chrome://tracing's format
+        events = trace["traceEvents"]
+        assert {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")} == {"ProfilerStep#2", "ProfilerStep#3"}
+        assert any(e.get("ph") == "X" and e.get("name", "").startswith("aten::") for e in events)  # real ops, timed
+        assert read_run(run_dir)["status"] == "completed"
+
+
+def test_a_hydra_grid_groups_its_runs_by_sweep_directory(grid):
+    sweep = grid
     runs = []
     for job in ("0", "1"):
         (attempt,) = (sweep / job / "wandb").glob("offline-run-*")

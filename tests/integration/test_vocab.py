@@ -17,14 +17,16 @@ def test_padded_teacher_vocab_is_aligned_automatically(tmp_path, zoo_dirs):
     teacher.save_pretrained(padded)
     AutoTokenizer.from_pretrained(zoo_dirs["teacher"]).save_pretrained(padded)
 
-    run_dir = tmp_path / "run"
-    kdsweep(f"model.path={zoo_dirs['student']}", f"teacher.path={padded}",
-            "train=smoke", "train.max_steps=2", *QUIET, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    # one multirun, one process: job 0 under the padded teacher, job 1 (the reference) under the embedded unpadded
+    # teacher (teacher.path=null: the default teacher=tiny)
+    sweep = tmp_path / "sweep"
+    kdsweep("-m", f"model.path={zoo_dirs['student']}", f"teacher.path={padded},null",
+            "train=smoke", "train.max_steps=2", *QUIET, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    run_dir, reference = sweep / "0", sweep / "1"
+    assert read_run(reference)["config"]["teacher"]["path"] is None
     record = read_run(run_dir)
-    assert record["status"] == "completed"
+    assert record["status"] == "completed" and record["config"]["teacher"]["path"] == str(padded)
     # the padded rows change nothing: the teacher's held-out CE equals the unpadded teacher's
-    reference = tmp_path / "reference"
-    kdsweep("train=smoke", "train.max_steps=2", *QUIET, f"hydra.run.dir={reference}", cwd=tmp_path)
     # the padded rows are cut away: same teacher CE and the same training as with the unpadded teacher
     assert record["eval_after"]["teacher_ce"] == pytest.approx(read_run(reference)["eval_after"]["teacher_ce"], abs=1e-6)
     assert record["objective"] == pytest.approx(read_run(reference)["objective"], abs=1e-5)
