@@ -191,8 +191,10 @@ def assert_one_teacher_pass(sweep_dir: Path, out: str, trials: int = 3) -> None:
         assert "(the teacher is not loaded)" in log and "pre-training" not in log
         assert r["cost"]["teacher_tokens_computed"] == 0 and r["cost"]["teacher_tokens_read"] > 0
         assert r["timings"]["teacher_s"] < builder["timings"]["teacher_s"]  # start-up: no teacher to load
-        assert r["timings"]["baseline_reused"]  # the untrained student's evaluation: once per sweep
         assert r["eval_before"] == builder["eval_before"]
+    # the untrained student's evaluation: once per sweep, by whichever trial got to it first (the trials behind
+    # the build start before it ends and take turns on the baseline's lock)
+    assert sum(not r["timings"]["baseline_reused"] for r in records) == 1, [r["timings"] for r in records]
     sweep = json.loads((sweep_dir / "sweep.json").read_text())
     assert sweep["cost"]["cache_builds"] == 1 and sweep["cost"]["teacher_tokens_read"] > 0
 
