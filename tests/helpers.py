@@ -155,3 +155,21 @@ def run_each(rank: int, configs: list) -> None:
 
     for cfg in configs:
         run(cfg, dist=detect())
+
+
+_ONCE: dict = {}
+
+
+def once(name: str, build):
+    """``build()`` the first time ``name`` is asked for in this test session, its value (or its error, raised again:
+    a failed build is not tried twice) every later time. For an artefact several test modules check (a sweep, a
+    run): a fixture imported into a second module would be a second fixture there, and build it again."""
+    if name not in _ONCE:
+        try:
+            _ONCE[name] = build()
+        except Exception as e:  # noqa: BLE001 - kept to be raised for every test that asks
+            _ONCE[name] = e
+            raise
+    if isinstance(_ONCE[name], Exception):
+        raise _ONCE[name]
+    return _ONCE[name]

@@ -7,34 +7,34 @@ import pytest
 import torch
 
 from conftest import QUIET, kdsweep, read_metrics, read_run
+from helpers import once
 
 pytestmark = pytest.mark.slow
-
-_SMOKE: dict = {}
 
 
 def smoke(tmp_path_factory):
     """``python -m kdsweep train=smoke`` (the embedded default at kd_ratio=0.5), run once per session: (its run
     directory, the finished process). test_slurm_jobs compares its SLURM grid point kd_ratio=0.5 with this run."""
-    if "run" not in _SMOKE:
+    def build():
         root = tmp_path_factory.mktemp("smoke")
-        run_dir = root / "run"
-        _SMOKE["run"] = run_dir, kdsweep("train=smoke", *QUIET, f"hydra.run.dir={run_dir}", cwd=root)
-    return _SMOKE["run"]
+        return root / "run", kdsweep("train=smoke", *QUIET, f"hydra.run.dir={root / 'run'}", cwd=root)
+
+    return once("smoke_run", build)
 
 
 @pytest.fixture(scope="module")
 def background(tmp_path_factory, zoo_dirs):
     """The kd_ratio multirun and the full fine-tune, started side by side as soon as a test asks (each is one
     process whose start-up is single-threaded, so they overlap each other and the smoke run): (directory, future
-    of the finished process) for each."""
+    of the finished process) for each. One intra-op thread each (train.threads=1, which only lays a run out): with
+    torch's default of one per core, jobs side by side on a 2-core machine wait on each other's threads."""
     root = tmp_path_factory.mktemp("cli")
     with ThreadPoolExecutor(2) as pool:
         multirun = pool.submit(
             kdsweep, "-m", "kd_ratio=0.0,0.5,1.0", "train=smoke", "train.max_steps=2",
-            "checkpoint.export_merged=false", *QUIET, f"hydra.sweep.dir={root / 'sweep'}", cwd=root)
-        full = pool.submit(kdsweep, "lora_rank=0", "lr=1e-3", "train=smoke", "train.max_steps=2", *QUIET,
-                           f"hydra.run.dir={root / 'full'}", cwd=root)
+            "checkpoint.export_merged=false", "train.threads=1", *QUIET, f"hydra.sweep.dir={root / 'sweep'}", cwd=root)
+        full = pool.submit(kdsweep, "lora_rank=0", "lr=1e-3", "train=smoke", "train.max_steps=2", "train.threads=1",
+                           *QUIET, f"hydra.run.dir={root / 'full'}", cwd=root)
         yield {"multirun": (root / "sweep", multirun), "full": (root / "full", full)}
 
 

@@ -98,16 +98,18 @@ JOB = ["data=text", "data.seq_len=32", "data.eval_fraction=0.1", "data.batch_siz
 @pytest.fixture(scope="module")
 def offline_runs(models, tmp_path_factory):
     """Offline, side by side: the job on the local directories, and the same job on the hub ids on one and two
-    ranks (one multirun over dist.nproc_per_node=1,2: jobs 0 and 1). The run directories and finished processes."""
+    ranks (one multirun over dist.nproc_per_node=1,2: jobs 0 and 1). The run directories and finished processes.
+    One intra-op thread each (train.threads=1, which only lays a run out): with torch's default of one per core,
+    two jobs on this 2-core machine wait on each other's threads at every step."""
     root = tmp_path_factory.mktemp("offline")
     env = offline(models)
     local, hub = root / "local", root / "hub"
     with ThreadPoolExecutor(1) as pool:
         local_done = pool.submit(run_kdsweep, [
             *JOB, f"model.path={models / 'student'}", f"teacher.path={models / 'teacher'}",
-            f"data.datasets.0.path={models / 'corpus.txt'}", f"hydra.run.dir={local}"], root, env)
+            f"data.datasets.0.path={models / 'corpus.txt'}", "train.threads=1", f"hydra.run.dir={local}"], root, env)
         hub_proc = run_kdsweep(["-m", *JOB, f"model.path={STUDENT}", f"teacher.path={TEACHER}",
-                                f"data.datasets.0.path={DATASET}", "dist.nproc_per_node=1,2",
+                                f"data.datasets.0.path={DATASET}", "dist.nproc_per_node=1,2", "train.threads=1",
                                 f"hydra.sweep.dir={hub}"], root, env)
         return {"local": (local, local_done.result()), "hub": {1: (hub / "0", hub_proc), 2: (hub / "1", hub_proc)}}
 

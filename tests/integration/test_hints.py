@@ -81,7 +81,8 @@ RUNTIME = {
 @pytest.mark.parametrize("case", sorted(RUNTIME))
 def test_a_launch_hint_typed_as_it_says_runs(case, tmp_path, zoo_dirs):
     bad, words, fix = RUNTIME[case]
-    common = ["train=smoke", "train.max_steps=1", "checkpoint.export_merged=false", *QUIET]
+    # one intra-op thread (it only lays a run out): the fixed run shares the machine with the refused one
+    common = ["train=smoke", "train.max_steps=1", "checkpoint.export_merged=false", "train.threads=1", *QUIET]
     fixed = [a for a in bad if a.split("=")[0] not in {f.split("=")[0] for f in fix}] + fix
     with ThreadPoolExecutor(1) as pool:  # the refused command and the fixed one are independent: side by side
         fixed_done = pool.submit(kdsweep, *common, *fixed, f"hydra.run.dir={tmp_path / 'fixed'}", cwd=tmp_path)

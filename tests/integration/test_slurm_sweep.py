@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import kdsweep, read_metrics, read_run
-from test_slurm_jobs import sacct_states
+from test_slurm_jobs import ONE_THREAD, sacct_states
 from test_sweep import manifest, search, study
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
@@ -37,7 +37,7 @@ def test_optuna_sweep_of_two_rank_slurm_trials_survives_a_requeue(tmp_path, zoo_
     reference = tmp_path / "reference"
     with ThreadPoolExecutor(1) as pool:  # the uninterrupted reference runs while trial 0 waits to be requeued
         reference_done = pool.submit(kdsweep, "hparams_search=slurm", f"hydra.searchpath=[file://{tmp_path / 'conf'}]",
-                                     "kd_ratio=0.5", f"hydra.run.dir={reference}", cwd=tmp_path)
+                                     "kd_ratio=0.5", *ONE_THREAD, f"hydra.run.dir={reference}", cwd=tmp_path)
         out, _ = proc.communicate(timeout=420)
         reference_done.result()
     assert proc.returncode == 0, out[-3000:]

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from conftest import kdsweep
+from helpers import once
 
 pytestmark = pytest.mark.slow
 
@@ -81,31 +82,24 @@ def test_pruned_two_rank_trial_stops_on_every_rank(tmp_path, zoo_dirs):
     assert steps == [1, 2]
 
 
-_BUILT: dict = {}
 
 
 def faults_sweep(tmp_path_factory):
     """3 trials of 2 steps, 2 at a time: the first asks for CUDA (none here), the other two run on the CPU. Returns
     the sweep directory and the finished sweep's process.
 
-    Built once per session (a failed build is not tried again): test_dashboard.py renders this sweep too. A
-    fixture imported into another module would be a second fixture there, and build it a second time."""
-    if "faults" not in _BUILT:
-        try:
-            tmp_path = tmp_path_factory.mktemp("faults")
-            sweep_dir = tmp_path / "sweep"
-            args = search(tmp_path, "faults", {
-                "n_trials": 3, "max_concurrent": 2, "sampler": "random", "pruner": "none",
-                "params": {"train.device": "choice(cpu,cuda)"},
-                "enqueue": [{"train.device": "cuda"}, {"train.device": "cpu"}, {"train.device": "cpu"}],
-            }, {"train": {"eval_every": 2, "max_steps": 2}})
-            _BUILT["faults"] = sweep_dir, kdsweep(*args, f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path)
-        except Exception as e:
-            _BUILT["faults"] = e
-            raise
-    if isinstance(_BUILT["faults"], Exception):
-        raise _BUILT["faults"]
-    return _BUILT["faults"]
+    Built once per session (helpers.once): test_dashboard.py renders this sweep too."""
+    def build():
+        tmp_path = tmp_path_factory.mktemp("faults")
+        sweep_dir = tmp_path / "sweep"
+        args = search(tmp_path, "faults", {
+            "n_trials": 3, "max_concurrent": 2, "sampler": "random", "pruner": "none",
+            "params": {"train.device": "choice(cpu,cuda)"},
+            "enqueue": [{"train.device": "cuda"}, {"train.device": "cpu"}, {"train.device": "cpu"}],
+        }, {"train": {"eval_every": 2, "max_steps": 2}})
+        return sweep_dir, kdsweep(*args, f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path)
+
+    return once("faults_sweep", build)
 
 
 def test_a_failing_trial_is_fail_with_its_reason_and_the_sweep_goes_on(tmp_path_factory, zoo_dirs):

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import QUIET, kdsweep, read_metrics, read_run, tiny_sweep
-from helpers import WORDS, gloo_ranks, run_each, save_hf_model, word_tokenizer
+from helpers import WORDS, gloo_ranks, once, run_each, save_hf_model, word_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -199,32 +199,22 @@ def assert_one_teacher_pass(sweep_dir: Path, out: str, trials: int = 3) -> None:
     assert sweep["cost"]["cache_builds"] == 1 and sweep["cost"]["teacher_tokens_read"] > 0
 
 
-_BUILT: dict[str, SimpleNamespace | Exception] = {}
-
-
 def local_cache_sweep(tmp_path_factory) -> SimpleNamespace:
     """The sweep of local trials below, its study in a journal file, and its `kdsweep status` (run without
     KDSWEEP_STORAGE_URL): ``sweep_dir``, ``out`` (the sweep's output), ``journal``, ``status``.
 
-    Built once per session (a failed build is not tried again): test_storages.py checks the journal storage on
-    it. A fixture imported into another module would be a second fixture there, and build it a second time."""
-    if "local" not in _BUILT:
-        try:
-            root = tmp_path_factory.mktemp("cache_local")
-            journal = root / "journal" / "study.log"
-            sweep_dir, proc = tiny_sweep(root, "cache_local", *SWEEP, f"teacher.cache.dir={root / 'tc'}",
-                                         f"hydra.sweeper.storage=journal://{journal}")
-            status = subprocess.run([sys.executable, "-m", "kdsweep", "status", str(sweep_dir)], cwd=root,
-                                    capture_output=True, text=True, timeout=120,
-                                    env={k: v for k, v in os.environ.items() if k != "KDSWEEP_STORAGE_URL"})
-            _BUILT["local"] = SimpleNamespace(sweep_dir=sweep_dir, out=proc.stdout + proc.stderr, journal=journal,
-                                              status=status)
-        except Exception as e:
-            _BUILT["local"] = e
-            raise
-    if isinstance(_BUILT["local"], Exception):
-        raise _BUILT["local"]
-    return _BUILT["local"]
+    Built once per session (helpers.once): test_storages.py checks the journal storage on it."""
+    def build() -> SimpleNamespace:
+        root = tmp_path_factory.mktemp("cache_local")
+        journal = root / "journal" / "study.log"
+        sweep_dir, proc = tiny_sweep(root, "cache_local", *SWEEP, f"teacher.cache.dir={root / 'tc'}",
+                                     f"hydra.sweeper.storage=journal://{journal}")
+        status = subprocess.run([sys.executable, "-m", "kdsweep", "status", str(sweep_dir)], cwd=root,
+                                capture_output=True, text=True, timeout=120,
+                                env={k: v for k, v in os.environ.items() if k != "KDSWEEP_STORAGE_URL"})
+        return SimpleNamespace(sweep_dir=sweep_dir, out=proc.stdout + proc.stderr, journal=journal, status=status)
+
+    return once("local_cache_sweep", build)
 
 
 def test_a_sweep_runs_one_teacher_pass_with_local_trials(tmp_path_factory, zoo_dirs):

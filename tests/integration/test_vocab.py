@@ -18,10 +18,11 @@ def test_padded_teacher_vocab_is_aligned_automatically(tmp_path, zoo_dirs):
     AutoTokenizer.from_pretrained(zoo_dirs["teacher"]).save_pretrained(padded)
 
     # one multirun, one process: job 0 under the padded teacher, job 1 (the reference) under the embedded unpadded
-    # teacher (teacher.path=null: the default teacher=tiny)
+    # teacher (teacher.path=null: the default teacher=tiny). One intra-op thread (it only lays the runs out): torch's
+    # default of one per core makes every step wait on preempted threads on a busy 2-core machine.
     sweep = tmp_path / "sweep"
     kdsweep("-m", f"model.path={zoo_dirs['student']}", f"teacher.path={padded},null",
-            "train=smoke", "train.max_steps=2", *QUIET, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+            "train=smoke", "train.max_steps=2", "train.threads=1", *QUIET, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     run_dir, reference = sweep / "0", sweep / "1"
     assert read_run(reference)["config"]["teacher"]["path"] is None
     record = read_run(run_dir)
