@@ -173,3 +173,17 @@ def once(name: str, build):
     if isinstance(_ONCE[name], Exception):
         raise _ONCE[name]
     return _ONCE[name]
+
+
+def byte_level_bpe(corpus: list[str], special_tokens: list[str], vocab_size: int):
+    """A byte-level BPE (``tokenizers.Tokenizer``) trained here on ``corpus`` (five passes), GPT-2 style: every byte
+    is in its alphabet, and ``special_tokens`` are single tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus * 5, trainer)
+    return tok

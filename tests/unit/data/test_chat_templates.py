@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import byte_level_bpe
 from kdsweep.config.schema import ConfigError
 from kdsweep.data.formats import FormatSpec, render
 
@@ -75,15 +76,8 @@ def expected_turns(family, messages):
 @pytest.fixture(scope="module")
 def bpe():
     """A byte-level BPE trained here, with every family's special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
     corpus = [m["content"] for c in CONVERSATIONS.values() for m in c] + [SYSTEM["content"], "Cutting Knowledge Date"]
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus * 5, trainer)
-    return tok
+    return byte_level_bpe(corpus, SPECIAL, vocab_size=400)
 
 
 def family_tokenizer(bpe, family):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from helpers import word_tokenizer
+from helpers import byte_level_bpe, word_tokenizer
 from kdsweep.config.schema import ConfigError
 from kdsweep.data.formats import FormatSpec, Sample, render, shift
 
@@ -41,18 +41,10 @@ def tok():
 @pytest.fixture(scope="module")
 def chatml():
     """A byte-level BPE trained here, with ChatML special tokens and a template marking assistant generations."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
     corpus = ["Hello there. How are you today?", "I am fine, thank you. The cat sat on the mat.", "You are helpful."]
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    bpe.train_from_iterator(corpus * 5, trainer)
+    bpe = byte_level_bpe(corpus, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], vocab_size=300)
     t = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     t.chat_template = CHATML
     return t
