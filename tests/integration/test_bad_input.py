@@ -98,16 +98,17 @@ def test_a_bad_grid_point_is_one_line_before_any_job(tmp_path):
 @pytest.mark.slow
 def test_resuming_another_config_or_with_resume_off_is_refused_and_keeps_the_run(tmp_path, zoo_dirs):
     run_dir = tmp_path / "run"
-    kdsweep("train=smoke", "train.max_steps=2", "logger=quiet", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    job = ("train=smoke", "train.max_steps=2", "train.threads=1")  # one intra-op thread: fast on a busy machine
+    kdsweep(*job, "logger=quiet", f"hydra.run.dir={run_dir}", cwd=tmp_path)
     record = (run_dir / "run.json").read_text()
     refused = ((["kd_ratio=0.7"], "different training config (loss.kd_ratio: 0.5 -> 0.7)"),
                (["checkpoint.resume=false"], "checkpoint.resume=false but"))
     with ThreadPoolExecutor(2) as pool:  # both refusals at once: each is refused before it could write anything
-        procs = list(pool.map(lambda args: kdsweep("train=smoke", "train.max_steps=2", *args, f"hydra.run.dir={run_dir}",
-                                                   cwd=tmp_path, check=False), [args for args, _ in refused]))
+        procs = list(pool.map(lambda args: kdsweep(*job, *args, f"hydra.run.dir={run_dir}", cwd=tmp_path, check=False),
+                              [args for args, _ in refused]))
     for proc, (_, expected) in zip(procs, refused):
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and expected in lines[0], proc.stderr
         assert (run_dir / "run.json").read_text() == record, "a refused resume must leave the run as it was"
     # what does not change the weights (eval cadence, ranks, logging) may change on resume
-    kdsweep("train=smoke", "train.max_steps=2", "train.eval_every=1", "logger=quiet", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    kdsweep(*job, "train.eval_every=1", "logger=quiet", f"hydra.run.dir={run_dir}", cwd=tmp_path)

@@ -14,10 +14,13 @@ pytestmark = pytest.mark.slow
 
 def smoke(tmp_path_factory):
     """``python -m kdsweep train=smoke`` (the embedded default at kd_ratio=0.5), run once per session: (its run
-    directory, the finished process). test_slurm_jobs compares its SLURM grid point kd_ratio=0.5 with this run."""
+    directory, the finished process). test_slurm_jobs compares its SLURM grid point kd_ratio=0.5 with this run.
+    One intra-op thread (train.threads=1, which only lays a run out): with torch's default of one per core, a
+    step on a busy 2-core machine waits on preempted threads (seconds instead of a fraction of one)."""
     def build():
         root = tmp_path_factory.mktemp("smoke")
-        return root / "run", kdsweep("train=smoke", *QUIET, f"hydra.run.dir={root / 'run'}", cwd=root)
+        run_dir = root / "run"
+        return run_dir, kdsweep("train=smoke", "train.threads=1", *QUIET, f"hydra.run.dir={run_dir}", cwd=root)
 
     return once("smoke_run", build)
 

@@ -209,7 +209,8 @@ def test_cli_all_linear_string_and_a_zoo_teacher_beside_a_student_directory(tmp_
     not assumed different), and ``model.target_modules=all-linear`` is a string, not a list."""
     run_dir = tmp_path / "run"
     kdsweep(f"model.path={zoo_dirs['student']}", "teacher=tiny", "model.target_modules=all-linear", "train=smoke",
-            "train.max_steps=2", "checkpoint.export_merged=false", *QUIET, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+            "train.max_steps=2", "train.threads=1", "checkpoint.export_merged=false", *QUIET,
+            f"hydra.run.dir={run_dir}", cwd=tmp_path)
     log = (run_dir / "kdsweep.log").read_text()
     assert ("LoRA reached 14 modules (model.target_modules=all-linear): q_proj ×2, k_proj ×2, v_proj ×2, o_proj ×2, "
             "gate_proj ×2, up_proj ×2, down_proj ×2") in log

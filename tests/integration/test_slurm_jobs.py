@@ -43,9 +43,9 @@ def array_job_of(sweep_dir) -> str:
 @pytest.fixture(scope="module")
 def failing_grid(tmp_path_factory):
     """The grid of test_a_failing_job_shows_failed, started in the background when a test first asks: (its sweep
-    directory, the future of its finished process). Its job fails at once, but its launcher then waits for a
-    result file (submitit's 15 s) that a job leaving with SystemExit never writes: the grid test asks first, so
-    that wait overlaps its jobs."""
+    directory, the future of its finished process). Its job fails at once, but its launcher learns it only from
+    sacct (polled ever less often) and then waits 15 s more for the result file that a job leaving with SystemExit
+    never writes: the grid test asks first and the preemption test comes next, so these waits overlap their jobs."""
     root = tmp_path_factory.mktemp("failing")
     sweep = root / "sweep"
     with ThreadPoolExecutor(1) as pool:
@@ -74,15 +74,6 @@ def test_grid_runs_one_two_rank_fsdp_job_per_point(tmp_path, tmp_path_factory, z
     # kd_ratio=0.5: the smoke run test_cli_run checks, made once per session)
     local, _ = smoke(tmp_path_factory)
     assert records[1]["objective"] == pytest.approx(read_run(local)["objective"], abs=1e-5)
-
-
-def test_a_failing_job_shows_failed(failing_grid):
-    sweep, proc = failing_grid
-    proc = proc.result()
-    assert proc.returncode != 0
-    assert "train.device=cuda but no CUDA device" in proc.stdout + proc.stderr  # the job's one line reaches the user
-    states = wait_for_states(array_job_of(sweep), {"FAILED", "COMPLETED"})
-    assert set(states.values()) == {"FAILED"}, states
 
 
 PREEMPT = ["kd_ratio=0.5", "train.max_steps=24", "train.eval_every=8", "checkpoint.save_every=1000",
@@ -118,3 +109,12 @@ def test_preempted_job_checkpoints_at_the_signal_requeues_and_resumes(tmp_path, 
     assert [r["step"] for r in read_metrics(sweep / "0") if r["kind"] == "train"] == list(range(1, 25))
 
     assert record["objective"] == pytest.approx(read_run(reference)["objective"], abs=1e-5)
+
+
+def test_a_failing_job_shows_failed(failing_grid):
+    sweep, proc = failing_grid
+    proc = proc.result()
+    assert proc.returncode != 0
+    assert "train.device=cuda but no CUDA device" in proc.stdout + proc.stderr  # the job's one line reaches the user
+    states = wait_for_states(array_job_of(sweep), {"FAILED", "COMPLETED"})
+    assert set(states.values()) == {"FAILED"}, states
