@@ -13,13 +13,17 @@ Per arm: wall time, trial-seconds (sum of each trial's end - start), device-seco
 objective (held-out student CE), the time and the device-seconds (of every trial, up to that moment) until the arm
 first completes a trial at or below the batch arm's best, and pruned trials. With --cache the async arm reads a
 teacher-logit cache (``teacher.logits=cache``, method sample, built by its first trial into a fresh directory:
-the build is included) while the batch arm keeps the live teacher, as a hand-glued sweep does.
+the build is included) while the batch arm keeps the live teacher, as a hand-glued sweep does. With --workers N a
+third arm runs the same sweep command on N warm trial workers (``hydra.sweeper.workers=N``, same cache settings):
+its device-seconds are the seconds its workers held their ranks, from each worker's launch to its leaving (idle
+time included). Every arm reports its trials' start-up seconds (run.json ``cost.startup_seconds``: from the
+trial's process start, or from a warm worker taking the trial, to its first step).
 The samplers see different histories (pruned trials, the order results arrive in), so the arms' trials may
 differ once TPE leaves its random start-up trials (10 by default); each async row says whether its params
 equal the batch trial with the same number. The arms run one after the other, never side by side.
 
     python benchmarks/sweep_async.py [--n-trials 8] [--concurrency 2] [--seed 0] [--extra train.max_steps=10 ...]
-                                     [--cache] [--out benchmarks/results/sweep_async.json] [--keep DIR]
+                                     [--cache] [--workers N] [--out benchmarks/results/sweep_async.json] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -92,18 +96,51 @@ def summarize(rows: list[dict[str, Any]], wall_s: float, target: float | None, r
     }
 
 
-def run_async(work: Path, n: int, c: int, seed: int, extra: list[str]) -> tuple[list[dict[str, Any]], float, list[str]]:
-    """The real sweep command; its trials from sweep.json, times relative to the launch."""
-    sweep_dir = work / "async"
+def startup(run_dir: Path) -> dict[str, Any]:
+    """The trial's start-up seconds as its run.json counts them (None: it recorded no cost), and whether a warm
+    worker ran it (start: warm), or a fresh process (cold)."""
+    path = run_dir / "run.json"
+    record = json.loads(path.read_text()) if path.exists() else {}
+    cost, worker = record.get("cost") or {}, (record.get("environment") or {}).get("worker") or {}
+    seconds = cost.get("startup_seconds")
+    return {"startup_s": None if seconds is None else round(seconds, 3), "start": worker.get("start", "cold")}
+
+
+def median(values: list[float]) -> float | None:
+    values = sorted(values)
+    if not values:
+        return None
+    mid = len(values) // 2
+    return round(values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2, 3)
+
+
+def pool_spans(sweep_dir: Path, t0: float) -> list[dict[str, Any]]:
+    """Each warm worker's hold on its ranks: from its launch to its leaving, relative to the arm's start."""
+    spans = []
+    for d in sorted((sweep_dir / "workers").iterdir()):
+        launch, state = (json.loads((d / f).read_text()) for f in ("launch.json", "worker.json"))
+        spans.append({"name": d.name, "started": round(launch["launched"] - t0, 2), "ended": round(state["updated"] - t0, 2),
+                      "ranks": state["ranks"], "trials_run": state["trials_run"], "idle_s": round(state["idle_s"], 2)})
+    return spans
+
+
+def pool_device_seconds(spans: list[dict[str, Any]], until: float) -> float:
+    return sum(w["ranks"] * max(0.0, min(w["ended"], until) - w["started"]) for w in spans)
+
+
+def run_async(work: Path, n: int, c: int, seed: int, extra: list[str],
+              arm: str = "async") -> tuple[list[dict[str, Any]], float, list[str], float]:
+    """The real sweep command; its trials from sweep.json, times relative to the launch (also returned)."""
+    sweep_dir = work / arm
     cmd = [sys.executable, "-m", "kdsweep", "-m", f"hparams_search={SEARCH}", f"hydra.sweep.dir={sweep_dir}",
            f"hydra.sweeper.n_trials={n}", f"hydra.sweeper.max_concurrent={c}", f"hydra.sweeper.seed={seed}", *extra]
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    with open(work / "async.log", "wb") as out:
+    with open(work / f"{arm}.log", "wb") as out:
         proc = subprocess.run(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
     wall = time.time() - t0
     if proc.returncode != 0:
-        tail = (work / "async.log").read_text(errors="replace")[-3000:]
+        tail = (work / f"{arm}.log").read_text(errors="replace")[-3000:]
         raise SystemExit(f"the async sweep failed ({proc.returncode}):\n{tail}")
     manifest = json.loads((sweep_dir / "sweep.json").read_text())
     rows = []
@@ -113,8 +150,9 @@ def run_async(work: Path, n: int, c: int, seed: int, extra: list[str]) -> tuple[
             "objective": t["values"][0] if t.get("values") else None,
             "started": round(t["started"] - t0, 2), "ended": round(t["ended"] - t0, 2) if t.get("ended") else None,
             "attempts": t.get("attempts"), "reason": t.get("reason") or None,
+            **startup(Path(t["run_dir"])),
         })
-    return rows, wall, manifest["space"]
+    return rows, wall, manifest["space"], t0
 
 
 def read_objective(run_dir: Path, code: int) -> tuple[str, float | None, str | None]:
@@ -170,7 +208,7 @@ def run_batch(work: Path, n: int, c: int, seed: int, extra: list[str]) -> tuple[
                 study.tell(trial, state=optuna.trial.TrialState.FAIL)
             rows.append({"number": number, "params": trial.params, "state": state, "objective": value,
                          "started": round(started - t0, 2), "ended": round(ended[number] - t0, 2),
-                         "attempts": 1, "reason": reason})
+                         "attempts": 1, "reason": reason, **startup(run_dir)})
     return rows, time.time() - t0, json.loads(json.dumps([p.describe() for p in space]))  # as in sweep.json
 
 
@@ -184,6 +222,8 @@ def main() -> None:
     parser.add_argument("--cache", action="store_true",
                         help="the async arm reads a teacher-logit cache its first trial builds (the batch arm: live)")
     parser.add_argument("--cache-method", default="sample", choices=("full", "sample", "topk"))
+    parser.add_argument("--workers", type=int, default=0,
+                        help="also run the sweep on this many warm trial workers (hydra.sweeper.workers)")
     parser.add_argument("--tolerance", type=float, default=0.001,
                         help="also report when an arm first gets within this relative distance of the batch best")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "sweep_async.json"))
@@ -196,13 +236,22 @@ def main() -> None:
         print(f"async arm: kdsweep -m hparams_search={SEARCH}, {n} trials, {c} at a time, seed {seed}", flush=True)
         cache = ["teacher.logits=cache", f"teacher.cache.method={args.cache_method}",
                  f"teacher.cache.dir={work / 'teacher_cache'}"]
-        async_rows, async_wall, async_space = run_async(work, n, c, seed, [*args.extra, *(cache if args.cache else [])])
+        async_extra = [*args.extra, *(cache if args.cache else [])]
+        async_rows, async_wall, async_space, _ = run_async(work, n, c, seed, async_extra)
         print(f"batch arm: batches of {c}, no pruning", flush=True)
         batch_rows, batch_wall, batch_space = run_batch(work, n, c, seed, args.extra)
+        pool = None
+        if args.workers:
+            print(f"warm workers arm: the same sweep on {args.workers} workers", flush=True)
+            if args.cache:  # its own cache, built by its first trial, as the per-trial arm's was
+                async_extra = [*args.extra, *cache[:2], f"teacher.cache.dir={work / 'teacher_cache_workers'}"]
+            pool_rows, pool_wall, pool_space, pool_t0 = run_async(
+                work, n, c, seed, [*async_extra, f"hydra.sweeper.workers={args.workers}"], arm="workers")
+            pool = (pool_rows, pool_wall, pool_space, pool_spans(work / "workers", pool_t0))
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    if async_space != batch_space:
+    if async_space != batch_space or (pool is not None and pool[2] != batch_space):
         raise SystemExit(f"the arms searched different spaces: {async_space} vs {batch_space}")
 
     ranks = next((int(e.split("=")[1]) for e in args.extra if e.startswith("dist.nproc_per_node=")), 1)
@@ -214,6 +263,19 @@ def main() -> None:
     for r in async_rows:
         r["same_params_as_batch"] = r["params"] == batch_params.get(r["number"])
     arms = {"async_pruning": async_, "batch_sync_no_pruning": batch}
+    rows_of = {"async_pruning": async_rows, "batch_sync_no_pruning": batch_rows}
+    if pool is not None:  # device-seconds: what the workers held, idle included
+        pool_rows, pool_wall, _, spans = pool
+        warm = summarize(pool_rows, pool_wall, target, ranks, args.tolerance)
+        warm["device_seconds"] = round(pool_device_seconds(spans, pool_wall), 2)
+        for key, goal in (("device_s_to_batch_best", target), ("device_s_to_near_batch_best", target * (1 + args.tolerance))):
+            hits = [r["ended"] for r in pool_rows if r["state"] == "COMPLETE" and r["objective"] <= goal]
+            warm[key] = round(pool_device_seconds(spans, min(hits)), 2) if hits else None
+        warm["workers"] = spans
+        arms["warm_workers"], rows_of["warm_workers"] = warm, pool_rows
+    for name, m in arms.items():  # start-up seconds: every trial's, and the warm ones' (a worker's later trials)
+        m["startup_s_median"] = median([r["startup_s"] for r in rows_of[name] if r.get("startup_s") is not None])
+        m["startup_s_median_warm"] = median([r["startup_s"] for r in rows_of[name] if r.get("start") == "warm"])
 
     def fmt(v: Any, spec: str) -> str:
         return "-" if v is None else format(v, spec)
@@ -231,14 +293,27 @@ def main() -> None:
     print(f"device-seconds to reach the batch arm's best, async / batch: {fmt(ratio, '.3f')}; to come within "
           f"{100 * args.tolerance:g}% of it: {fmt(near, '.3f')} (async {fmt(async_['device_s_to_near_batch_best'], '.1f')} "
           f"device-s, batch {fmt(batch['device_s_to_near_batch_best'], '.1f')})")
+    for name, m in arms.items():
+        print(f"{name}: {m['device_seconds']:.1f} device-s ({m['device_seconds'] / batch['device_seconds']:.2f}x the batch "
+              f"arm's); trial start-up median {fmt(m['startup_s_median'], '.2f')} s, warm trials "
+              f"{fmt(m['startup_s_median_warm'], '.2f')} s")
+    warm_ratio = near_warm = None
+    if "warm_workers" in arms:
+        warm = arms["warm_workers"]
+        warm_ratio = warm["device_seconds"] / batch["device_seconds"]
+        near_warm = (warm["device_s_to_near_batch_best"] / batch["device_s_to_near_batch_best"]
+                     if warm["device_s_to_near_batch_best"] is not None and batch["device_s_to_near_batch_best"] else None)
+        print(f"warm workers / batch: {warm_ratio:.3f} of the device-seconds (goal <= 0.4); to come within "
+              f"{100 * args.tolerance:g}% of the batch best: {fmt(near_warm, '.3f')}")
     same = sum(r["same_params_as_batch"] for r in async_rows)
     print(f"{same}/{len(async_rows)} async trials have the same params as the batch trial with the same number "
           "(the samplers see different histories, so the trials may differ)")
-    for name, rows in (("async", async_rows), ("batch", batch_rows)):
+    for name, rows in (("async", async_rows), ("batch", batch_rows), ("warm", rows_of.get("warm_workers", []))):
         for r in rows:
             params = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r["params"].items())
             print(f"  {name} {r['number']:>2} {r['state']:<8} {fmt(r['objective'], '.4f'):>8} "
-                  f"[{r['started']:>6.1f}, {fmt(r['ended'], '6.1f')}] s  {params}")
+                  f"[{r['started']:>6.1f}, {fmt(r['ended'], '6.1f')}] s  start-up {fmt(r['startup_s'], '.2f')} s "
+                  f"({r['start']})  {params}")
 
     report = {
         "benchmark": "sweep_async",
@@ -249,13 +324,16 @@ def main() -> None:
             "search": f"hparams_search={SEARCH}", "n_trials": n, "concurrency": c, "seed": seed, "extra": args.extra,
             "trial_threads": int(trial_env(c)["OMP_NUM_THREADS"]), "space": batch_space,
             "sweeper": {k: v for k, v in sweeper_yaml().items() if k != "params"},
-            "order": ["async_pruning", "batch_sync_no_pruning"],
+            "order": ["async_pruning", "batch_sync_no_pruning", *(["warm_workers"] if args.workers else [])],
+            "workers": args.workers,
             "async_teacher": f"cache ({args.cache_method}, built by its first trial)" if args.cache else "live",
             "batch_teacher": "live",
         },
         "device_s_to_batch_best_ratio": ratio,
         "tolerance": args.tolerance,
         "device_s_to_near_batch_best_ratio": near,
+        "warm_workers_device_s_ratio": warm_ratio,
+        "warm_workers_device_s_to_near_batch_best_ratio": near_warm,
         "notes": [
             "times are seconds from the arm's start (the async arm: launching the sweep command, which includes "
             "composing and validating the search space's corners)",
@@ -265,7 +343,7 @@ def main() -> None:
             "the batch arm polls its processes every 0.1 s, kdsweep every poll_s (0.5 s by default)",
         ],
         "arms": arms,
-        "trials": {"async_pruning": async_rows, "batch_sync_no_pruning": batch_rows},
+        "trials": rows_of,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

@@ -6,13 +6,14 @@ Nothing below this module sees Hydra or OmegaConf. torch is imported only once a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -72,7 +73,7 @@ def validate_composed(cfg: DictConfig, output_dir: str) -> RunConfig:
     return validate(raw)
 
 
-def _setup_rank_logging(output_dir: str, rank: int) -> None:
+def _setup_rank_logging(output_dir: str, rank: int) -> logging.Handler:
     """Rank 0 logs to the console and ``kdsweep.log``; other ranks only to ``logs/rank<r>.log``.
 
     Spawned ranks start with a bare logging module (Hydra configured only the launching process), so the
@@ -96,23 +97,44 @@ def _setup_rank_logging(output_dir: str, rank: int) -> None:
     handler = logging.FileHandler(path)
     handler.setFormatter(fmt)
     root.addHandler(handler)
+    return handler
+
+
+class JobSession:
+    """The process side of a job that runs one trial: it joins the job's process group for the job and leaves it
+    after, and keeps nothing (a warm worker's session, ``kdsweep.worker.WorkerSession``, keeps both)."""
+
+    @contextlib.contextmanager
+    def joined(self, run_cfg: RunConfig) -> Iterator[Any]:
+        from kdsweep.data.cache import kdsweep_cache
+        from kdsweep.distributed import detect, device_for, process_group
+        from kdsweep.distributed.rendezvous import agree_port, release_port
+
+        env = agree_port(detect(), kdsweep_cache(), run_cfg.dist.timeout_s)
+        with process_group(env, device_for(run_cfg.train.device, env), timeout_s=run_cfg.dist.timeout_s):
+            release_port(env, kdsweep_cache())
+            yield env
+
+    def kept(self) -> Any:
+        from kdsweep.train.kept import Kept
+
+        return Kept.one_run()
+
+
+SESSION: Any = JobSession()
+"""This process's session: a job's, or the warm worker's once ``kdsweep.worker`` has set its own."""
 
 
 def run_rank(run_cfg: RunConfig, raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """One rank of a job (all of it, for one rank): join the process group, train, return rank 0's summary."""
     import dataclasses
 
-    from kdsweep.data.cache import kdsweep_cache
-    from kdsweep.distributed import detect, device_for, process_group
-    from kdsweep.distributed.rendezvous import agree_port, check_shared, release_port
+    from kdsweep.distributed.rendezvous import check_shared
     from kdsweep.distributed.signals import PreemptionWatch
     from kdsweep.train import NULL_REPORTER, run
 
-    env = agree_port(detect(), kdsweep_cache(), run_cfg.dist.timeout_s)
-    device = device_for(run_cfg.train.device, env)
     watch = PreemptionWatch()
-    with process_group(env, device, timeout_s=run_cfg.dist.timeout_s):
-        release_port(env, kdsweep_cache())
+    with SESSION.joined(run_cfg) as env:
         reporter = NULL_REPORTER
         if run_cfg.trial.sweep_dir and env.is_main:  # rank 0 talks to the study; the loop shares its decision
             from kdsweep.sweep.handle import TrialHandle
@@ -124,9 +146,14 @@ def run_rank(run_cfg: RunConfig, raw: dict[str, Any], overrides: list[str]) -> d
             _remove_if_empty(run_cfg.output_dir)
             run_cfg = dataclasses.replace(run_cfg, output_dir=output_dir)
             raw = {**raw, "output_dir": output_dir}
-        _setup_rank_logging(output_dir, env.rank)
-        check_shared(env, shared_dirs(run_cfg))
-        result = run(run_cfg, dist=env, reporter=reporter, preemption=watch, resolved_config=raw, overrides=overrides)
+        handler = _setup_rank_logging(output_dir, env.rank)
+        try:
+            check_shared(env, shared_dirs(run_cfg))
+            result = run(run_cfg, dist=env, reporter=reporter, preemption=watch, resolved_config=raw,
+                         overrides=overrides, kept=SESSION.kept())
+        finally:  # a worker's next trial logs to its own files
+            logging.getLogger().removeHandler(handler)
+            handler.close()
     if result.status == "preempted":
         watch.handover(env.rank)  # under submitit, rank 0 requeues the job and exits here
     else:
@@ -194,13 +221,18 @@ def _group_grid_runs(raw: dict[str, Any], hc: Any) -> None:
 
 def task(cfg: DictConfig) -> float:
     """One KD job; returns the held-out student CE (the objective), the same on every rank."""
-    from hydra.core.hydra_config import HydraConfig
-
     from kdsweep.metrics.records import JOB_STARTED, process_started
 
     # when this job started (its ranks, spawned later, count from here): the process's start for its first job,
     # now for the next ones of a multirun in this process
     os.environ[JOB_STARTED] = str(process_started() if JOB_STARTED not in os.environ else time.time())
+    return job(cfg)
+
+
+def job(cfg: DictConfig) -> float:
+    """``task`` once the job's clock is set (a warm worker sets it for each trial it runs)."""
+    from hydra.core.hydra_config import HydraConfig
+
     hc = HydraConfig.get()
     output_dir = hc.runtime.output_dir
     overrides = list(hc.overrides.task)
@@ -230,6 +262,18 @@ def task(cfg: DictConfig) -> float:
 
 
 _hydra_main = hydra.main(version_base=None, config_path=conf_dir(), config_name="config")(task)
+_trial_main = hydra.main(version_base=None, config_path=conf_dir(), config_name="config")(job)
+
+
+def trial_in_process(args: list[str]) -> None:
+    """What ``python -m kdsweep ARGS`` does, in this process, on the job clock its caller set: a warm worker's
+    trial (composed, validated and recorded exactly as a job's; SystemExit as a job would exit)."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()  # the last trial's Hydra; each trial composes its own config
+    sys.argv = ["kdsweep", *args]
+    _check_command_line(args)
+    _trial_main()
 
 
 def _check_command_line(args: list[str]) -> None:

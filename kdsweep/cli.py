@@ -26,12 +26,13 @@ def status(args: list[str]) -> None:
     from kdsweep.sweep.controller import summary_lines
     from kdsweep.sweep.cost import cost_lines, sweep_cost
     from kdsweep.sweep.manifest import Manifest
+    from kdsweep.sweep.workers import worker_lines
 
     manifest = Manifest.load(_sweep_dir(args, "status"))
     settings = manifest.data["settings"]
     print(f"sweep {manifest.path.parent} (study {manifest.data['study_name']}, {len(manifest.trials)} of "
           f"{settings['n_trials']} trials, storage {settings['storage'] or 'sqlite in the sweep dir'})")
-    print("\n".join([*summary_lines(manifest), *cost_lines(sweep_cost(manifest))]))
+    print("\n".join([*summary_lines(manifest), *worker_lines(manifest.path.parent), *cost_lines(sweep_cost(manifest))]))
 
 
 def resume(args: list[str]) -> None:

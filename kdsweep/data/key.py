@@ -33,12 +33,17 @@ def cache_key(cfg: DataConfig, tokenizer_dir: Path, ignore_index: int, memo_dir:
         settings[section] = [{**ds, "path": "hub" if hub_id(ds["path"]) else Path(ds["path"]).suffix.lower() or "folder"}
                              for ds in settings[section]]
     files = [content_hash(ds.path, memo_dir) for _, ds in train_sources(cfg) + eval_sources(cfg)]
+    parts = [DATA_VERSION, settings, files, tokenizer_digest(tokenizer_dir), chat_template(cfg.chat_template), ignore_index]
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def tokenizer_digest(tokenizer_dir: Path) -> str:
+    """The content of the files in a model directory that define its tokenizer."""
     tok = hashlib.sha256()
     for f in sorted(tokenizer_dir.iterdir()):
         if f.is_file() and f.name.startswith(TOKENIZER_FILES):
             tok.update(f.name.encode() + b"\0" + f.read_bytes())
-    parts = [DATA_VERSION, settings, files, tok.hexdigest(), chat_template(cfg.chat_template), ignore_index]
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
+    return tok.hexdigest()
 
 
 def cache_root(cfg: DataConfig) -> Path:

@@ -37,5 +37,6 @@ class CostMeter:
         wall = time.time() - self.started
         return {"steps": self.steps, "train_tokens": trained, "trial_seconds": wall,
                 "device_seconds": wall * self.dist.world_size, "loop_seconds": time.time() - self.loop_started,
+                "startup_seconds": self.loop_started - self.started,
                 "teacher_tokens_computed": computed + self.built_tokens + generated, "teacher_tokens_read": read,
                 "teacher_tokens_generated": generated}

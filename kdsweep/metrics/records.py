@@ -36,12 +36,15 @@ def git_sha() -> str | None:
     return out.stdout.strip() or None
 
 
-COST_FIELDS = ("steps", "train_tokens", "trial_seconds", "device_seconds", "loop_seconds", "teacher_tokens_computed",
-               "teacher_tokens_read", "teacher_tokens_generated")
+COST_FIELDS = ("steps", "train_tokens", "trial_seconds", "device_seconds", "loop_seconds", "startup_seconds",
+               "teacher_tokens_computed", "teacher_tokens_read", "teacher_tokens_generated")
 """What a run's ``cost`` sums over its attempts: optimizer steps, trained tokens (a data step's non-padding tokens, a
 generating step's completions), wall seconds from the job's start, device-seconds (wall seconds × ranks), the
-seconds of its steps and evals (``loop_seconds``), the teacher positions a model computed (live, the cache's build,
-and the tokens the teacher generated) or a cache supplied, and of those the tokens the teacher generated."""
+seconds of its steps and evals (``loop_seconds``), the seconds before its first step (``startup_seconds``: the
+process's imports, the config, data, models, caches and the first evaluation; a warm worker's trial starts from
+when it was handed over, ``environment.worker`` says which), the teacher positions a model computed (live, the
+cache's build, and the tokens the teacher generated) or a cache supplied, and of those the tokens the teacher
+generated."""
 
 SLURM_VARS = {
     "job_id": "SLURM_JOB_ID", "array_job_id": "SLURM_ARRAY_JOB_ID", "array_task_id": "SLURM_ARRAY_TASK_ID",
@@ -59,10 +62,22 @@ def slurm() -> dict[str, str] | None:
     return info
 
 
+WORKER = "KDSWEEP_WORKER"
+"""Set by a warm trial worker for each trial it runs: ``<name>:<trials it ran before this one>``."""
+
+
+def worker() -> dict[str, Any] | None:
+    """The warm worker this attempt runs in: its name, the trials it ran before, and whether it started cold."""
+    if not os.environ.get(WORKER):
+        return None
+    name, before = os.environ[WORKER].rsplit(":", 1)
+    return {"name": name, "trials_before": int(before), "start": "warm" if int(before) else "cold"}
+
+
 def environment() -> dict[str, Any]:
     return {
         "git_sha": git_sha(), "packages": package_versions(), "host": platform.node(), "pid": os.getpid(),
-        "slurm": slurm(),
+        "slurm": slurm(), "worker": worker(),
     }
 
 

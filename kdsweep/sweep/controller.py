@@ -45,6 +45,9 @@ class Backend(Protocol):
         """The trial's job, if one was started (running or ended) that the manifest does not know of: what
         ``start`` would have returned for it, else None."""
 
+    def close(self) -> None:
+        """The sweep is over (no trial runs): release what the backend holds (warm workers leave)."""
+
 
 class LocalProcesses:
     """Trials as local processes (``hydra/launcher=basic``); each job may spawn its own ranks."""
@@ -91,6 +94,9 @@ class LocalProcesses:
             if marker in argv and b"kdsweep" in argv and (stat := _proc_stat(int(entry.name))) and stat[0] != "Z":
                 return {"pid": int(entry.name), "started": stat[19], "logs": [str(run_dir / "job.log")]}
         return None
+
+    def close(self) -> None:
+        pass
 
 
 def _proc_stat(pid: int) -> list[str] | None:
@@ -332,6 +338,7 @@ class Controller:
             if not running:
                 break
             time.sleep(self.settings.poll_s)
+        self.backend.close()
         self.manifest.data["cost"] = sweep_cost(self.manifest)
         self.manifest.save()
         for line in cost_lines(self.manifest.data["cost"]):
@@ -352,6 +359,8 @@ def crash_point(point: str, number: int) -> None:
 def job_name(job: dict[str, Any] | None) -> str:
     if not job:
         return "-"
+    if "worker" in job:
+        return f"worker {job['worker']}"
     return f"slurm {job['slurm_job_id']}" if "slurm_job_id" in job else f"pid {job['pid']}"
 
 

@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from kdsweep.sweep.manifest import Manifest
+from kdsweep.sweep.workers import idle_device_seconds
 
-FIELDS = ("trial_seconds", "device_seconds", "train_tokens", "teacher_tokens_computed", "teacher_tokens_read",
-          "teacher_tokens_generated")
+FIELDS = ("trial_seconds", "device_seconds", "startup_seconds", "train_tokens", "teacher_tokens_computed",
+          "teacher_tokens_read", "teacher_tokens_generated")
 
 
 def _record(entry: dict[str, Any]) -> dict[str, Any]:
@@ -41,6 +42,9 @@ def sweep_cost(manifest: Manifest) -> dict[str, Any]:
     records = [(e, _record(e)) for e in manifest.trials.values()]
     records = [(e, r) for e, r in records if r.get("cost")]
     total = {k: sum(r["cost"].get(k, 0) for _, r in records) for k in FIELDS}
+    # warm workers: the seconds they held their devices between trials count too (a trial's own start is in its cost)
+    total["worker_idle_device_seconds"] = idle_device_seconds(manifest.path.parent)
+    total["device_seconds"] += total["worker_idle_device_seconds"]
     pruning = 0.0
     for entry, r in records:
         steps, max_steps = r["cost"].get("steps", 0), r["config"]["train"]["max_steps"]
@@ -70,6 +74,9 @@ def cost_lines(cost: dict[str, Any]) -> list[str]:
         f"{int(cost['train_tokens'])} tokens trained; teacher: {int(cost['teacher_tokens_computed'])} tokens computed "
         f"({generated}{cost['cache_builds']} cache build{'s' if cost['cache_builds'] != 1 else ''}), "
         f"{int(cost['teacher_tokens_read'])} read from the cache",
+        f"start-up: {cost['startup_seconds']:.1f} trial-s before the trials' first steps"
+        + (f"; workers idle {cost['worker_idle_device_seconds']:.1f} device-s (counted above)"
+           if cost.get("worker_idle_device_seconds") else ""),
     ]
     if cost["ratio"] is not None:
         lines.append(

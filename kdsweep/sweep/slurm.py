@@ -175,3 +175,6 @@ class SlurmJobs:
             code = exit_code.split(":")[0]
             return int(code) if code.isdigit() and code != "0" else 1
         return state  # cancelled, timed out, node failure ...: the job did not end on its own
+
+    def close(self) -> None:
+        pass  # every job has ended: nothing is held

@@ -53,6 +53,12 @@ class SweepSettings:
     enqueue: tuple[dict[str, Any], ...] = ()
     """Points to try first, in order (known-good settings, a baseline), before the sampler proposes any."""
     params: dict[str, str] = field(default_factory=dict)
+    workers: int = 0
+    """0: one job per trial. N: trials run on N long-lived workers (at most ``max_concurrent``), each a job with
+    the resources a trial has; a worker keeps its imports, process group, tokenized data and a live teacher from
+    one trial to the next (``kdsweep.worker``)."""
+    worker_idle_s: float = 600.0
+    """A worker with no task for this long leaves (a controller that died and was not resumed)."""
 
     def __post_init__(self) -> None:
         _check(bool(re.fullmatch(r"[\w.-]+", self.study_name)), f"hydra.sweeper.study_name={self.study_name!r}: use letters, digits, . _ -")
@@ -70,6 +76,8 @@ class SweepSettings:
             f"{len(self.objectives)} objectives",
         )
         _check(self.retries >= 0, f"hydra.sweeper.retries={self.retries} must be >= 0")
+        _check(self.workers >= 0, f"hydra.sweeper.workers={self.workers} must be >= 0 (0: one job per trial)")
+        _check(self.worker_idle_s > 0, f"hydra.sweeper.worker_idle_s={self.worker_idle_s} must be > 0")
         _check(0 < self.pruner_percentile < 100, f"hydra.sweeper.pruner_percentile={self.pruner_percentile} must be in (0, 100)")
 
     @classmethod

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 import torch
 
@@ -51,13 +51,23 @@ def vocab_size(model_dir: Path) -> int:
 
 
 def open_teacher(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: RunData, dist: DistEnv,
-                 device: torch.device, announce: Callable[[dict[str, float]], None] = lambda progress: None) -> Teacher:
-    """The job's teacher; ``announce`` hears how a cache build progresses (rank 0: seconds so far and to go)."""
+                 device: torch.device, announce: Callable[[dict[str, float]], None] = lambda progress: None,
+                 keep: Callable[[str, Callable[[], Hashable], Callable[[], Any]], Any] = lambda kind, key, build: build(),
+                 ) -> Teacher:
+    """The job's teacher; ``announce`` hears how a cache build progresses (rank 0: seconds so far and to go).
+    ``keep(kind, key, build)``: how a worker keeps a live teacher's weights while its files, dtype and sharding stay
+    the same (``train.kept.Kept.get``); a plain job builds it."""
     from kdsweep.models.load import load_teacher
 
     load = lambda: load_teacher(teacher_dir, cfg.train.dtype, device, dist, cfg.dist)
     if cfg.teacher.logits == "live":
-        live = LiveTeacher(load(), fused=cfg.loss.impl == "fused")
+        def key() -> Hashable:  # its files' content (memoized by size and mtime), dtype, device and sharding
+            digest = dist.broadcast_object(teacher_hash(teacher_dir, cache_root(cfg) / "hashes") if dist.is_main else None)
+            d = cfg.dist
+            return digest, cfg.train.dtype, str(device), dist.world_size, (
+                d.mixed_precision, d.reshard_after_forward, d.cpu_offload, d.compile)
+
+        live = LiveTeacher(keep("live_teacher", key, load), fused=cfg.loss.impl == "fused")
         return Teacher(live, live, {"source": "live", "teacher_ce": "exact", "kl": "exact (T=1)"})
 
     spec = Spec.of(cfg, min(vocab_size(teacher_dir), vocab_size(student_dir)))

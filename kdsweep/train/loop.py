@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
@@ -15,7 +16,8 @@ from kdsweep.checkpoint import export as exporting
 from kdsweep.checkpoint import steps as checkpoints
 from kdsweep.config.schema import (ConfigError, DataConfig, DistConfig, RolloutConfig, RunConfig, StudentConfig,
                                    TeacherCacheConfig)
-from kdsweep.data.dataset import data_key, load_data
+from kdsweep.data.dataset import RunData, data_key, describe, load_data
+from kdsweep.data.key import cache_root as data_cache_root, tokenizer_digest
 from kdsweep.data.rows import Rows
 from kdsweep.data.sampling import StepSampler
 from kdsweep.distributed import DistEnv, device_for, single_process
@@ -24,6 +26,7 @@ from kdsweep.metrics.sinks import MetricLogger, open_sinks
 from kdsweep.metrics.cost import CostMeter
 from kdsweep.teacher.job import open_teacher
 from kdsweep.train.baseline import baseline, baseline_path
+from kdsweep.train.kept import Kept
 from kdsweep.train.profile import step_profiler
 from kdsweep.models.load import load_student, load_tokenizer, resolve_dir, unsharded_on_rank0
 from kdsweep.rollout import open_rollout
@@ -181,6 +184,19 @@ def prepare_data(cfg: RunConfig) -> None:
     load_data(cfg.data, load_tokenizer(student_dir), student_dir, cfg.loss.ignore_index)
 
 
+def open_data(cfg: RunConfig, student_dir: Path, kept: Kept) -> tuple[Any, RunData]:
+    """The student's tokenizer and the run's rows, kept by a worker under the keys of their content."""
+    tokenizer = kept.get("tokenizer", lambda: (str(student_dir), tokenizer_digest(student_dir)),
+                         lambda: load_tokenizer(student_dir))
+    key = lambda: (str(data_cache_root(cfg.data)), data_key(cfg.data, student_dir, cfg.loss.ignore_index))
+    data = kept.get("data", key, lambda: load_data(cfg.data, tokenizer, student_dir, cfg.loss.ignore_index))
+    if "data" in kept.reused:
+        log.info("data: the rows of %s, kept by this worker from an earlier trial", data.cache_dir)
+        for split in ("train", "eval"):
+            log.info("data %s: %s", split, describe(data.stats[split], cfg.data))
+    return tokenizer, data
+
+
 def run(
     cfg: RunConfig,
     *,
@@ -189,9 +205,12 @@ def run(
     dist: DistEnv | None = None,
     resolved_config: dict[str, Any] | None = None,
     overrides: list[str] | None = None,
+    kept: Kept | None = None,
 ) -> RunResult:
-    """Train the student against the teacher as ``cfg`` says; resumable from ``cfg.output_dir``."""
-    dist = dist or single_process()
+    """Train the student against the teacher as ``cfg`` says; resumable from ``cfg.output_dir``. ``kept``: what a
+    warm worker keeps from its earlier trials (a fresh one for a plain job)."""
+    dist, kept = dist or single_process(), kept or Kept.one_run()
+    kept.begin_run()
     resume_from = check_resumable(cfg)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -204,7 +223,7 @@ def run(
         record.update(trial={"study": t.study, "number": t.number, "sweep_dir": t.sweep_dir} if t.sweep_dir else None)
     started = time.time()
     try:
-        result = _train(cfg, dist, reporter, preemption, out, record, resume_from)
+        result = _train(cfg, dist, reporter, preemption, out, record, resume_from, kept)
     except BaseException as e:
         if record is not None:
             record.update(status="failed", error=f"{type(e).__name__}: {e}", wall_seconds=time.time() - started)
@@ -224,7 +243,7 @@ def run(
 
 def _train(
     cfg: RunConfig, dist: DistEnv, reporter: Reporter, preemption: Preemption | None, out: Path,
-    record: RunRecord | None, resume_from: Path | None,
+    record: RunRecord | None, resume_from: Path | None, kept: Kept,
 ) -> RunResult:
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
@@ -234,12 +253,11 @@ def _train(
 
     t0 = time.perf_counter()
     student_dir, teacher_dir = resolve_dir(cfg.model), resolve_dir(cfg.teacher, "teacher")
-    tokenizer = load_tokenizer(student_dir)
     d = cfg.data
-    data = load_data(d, tokenizer, student_dir, cfg.loss.ignore_index)
+    tokenizer, data = open_data(cfg, student_dir, kept)
     train_rows, eval_rows = data.train, data.eval.head(d.max_eval_sequences)
     sampler = StepSampler(len(train_rows), d.batch_size, cfg.train.seed)
-    data_stats = {"cache_dir": str(data.cache_dir), "cache_reused": data.reused, **data.stats}
+    data_stats = {"cache_dir": str(data.cache_dir), "cache_reused": data.reused, **copy.deepcopy(data.stats)}
     if d.sequences == "pad":  # how much of each padded micro-batch is padding, over the steps this run takes
         steps = [sampler.rank_micro_batches(k, 0, 1, d.micro_batch_size) for k in range(min(cfg.train.max_steps, 200))]
         data_stats["train"]["padding_fraction"] = train_rows.padding_fraction([i for s in steps for i in s])
@@ -255,9 +273,11 @@ def _train(
             started = time.time() - job_started() - progress["elapsed_s"]
             record.update(teacher_targets={"building": True, "startup_s": started, **progress})
 
-    teacher = open_teacher(cfg, teacher_dir, student_dir, data, dist, device, building)
+    teacher = open_teacher(cfg, teacher_dir, student_dir, data, dist, device, building, kept.get)
     if record is not None:  # the sweep controller starts the other trials once a cache is ready
-        record.update(teacher_targets=teacher.record)
+        record.update(teacher_targets=teacher.record, kept=list(kept.reused))
+    if kept.reused:
+        log.info("worker: kept from its earlier trials: %s", ", ".join(kept.reused))
     if os.environ.get(SHARED_THREADS) and not cfg.train.threads:  # it built the cache alone: now it shares the cores
         torch.set_num_threads(int(os.environ[SHARED_THREADS]))
     timings["teacher_s"] = time.perf_counter() - t0

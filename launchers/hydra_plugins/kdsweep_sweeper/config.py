@@ -25,6 +25,8 @@ class KdsweepOptunaConf:
     poll_s: float = 0.5
     enqueue: List[Any] = field(default_factory=list)
     params: Dict[str, str] = field(default_factory=dict)
+    workers: int = 0
+    worker_idle_s: float = 600.0
 
 
 ConfigStore.instance().store(group="hydra/sweeper", name="kdsweep_optuna", node=KdsweepOptunaConf, provider="kdsweep")

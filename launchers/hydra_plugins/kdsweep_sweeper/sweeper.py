@@ -51,8 +51,8 @@ class KdsweepOptunaSweeper(Sweeper):
         settings = SweepSettings.from_plain({**settings_raw, "params": params})
         space = parse_space(params)
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
-        backend = self._backend(settings)
         first = self._validate_points(base, space, settings.enqueue, sweep_dir)
+        backend = self._backend(settings, first, sweep_dir)
         controller = Controller(settings, space, base, sweep_dir, backend,
                                 teacher_cache=first.teacher.logits == "cache")
         controller.manifest.data["command"] = [redact(a) for a in sys.argv[1:]]  # never a password on disk
@@ -64,13 +64,25 @@ class KdsweepOptunaSweeper(Sweeper):
         print("\n".join([f"sweep {sweep_dir} (study {settings.study_name}):", *summary_lines(manifest)]), flush=True)
         return manifest
 
-    def _backend(self, settings: Any) -> Any:
-        """Where trials run: local processes (basic launcher) or SLURM jobs driven from the launcher's settings."""
+    def _backend(self, settings: Any, first: Any, sweep_dir: Path) -> Any:
+        """Where trials run: local processes or warm local workers (basic launcher), or SLURM jobs driven from the
+        launcher's settings. ``first``: the base point's RunConfig (a worker's ranks and device)."""
         from kdsweep.config.schema import ConfigError
         from kdsweep.sweep.controller import LocalProcesses
         from kdsweep.sweep.slurm import SlurmJobs
+        from kdsweep.sweep.workers import WorkerPool
 
         launcher = str(OmegaConf.select(self.config, "hydra.launcher._target_", default=""))
+        if settings.workers and launcher.endswith(".BasicLauncher"):
+            spec = {"nproc": first.dist.nproc_per_node, "device": first.train.device, "timeout_s": first.dist.timeout_s,
+                    "master_addr": first.dist.master_addr, "idle_s": settings.worker_idle_s}
+            if settings.workers > settings.max_concurrent:
+                log.warning("hydra.sweeper.workers=%d but max_concurrent=%d: %d workers run the trials",
+                            settings.workers, settings.max_concurrent, settings.max_concurrent)
+            return WorkerPool(min(settings.workers, settings.max_concurrent), sweep_dir, spec)
+        if settings.workers:
+            raise ConfigError(f"hydra.sweeper.workers={settings.workers} runs local workers only for now "
+                              "(hydra/launcher=basic); on SLURM pass hydra.sweeper.workers=0 (one job per trial)")
         if launcher.endswith(".BasicLauncher"):
             return LocalProcesses(settings.max_concurrent)
         if launcher.endswith(".SlurmLauncher"):

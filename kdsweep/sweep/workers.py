@@ -1,0 +1,197 @@
+"""The controller's backend for warm trial workers (``hydra.sweeper.workers=N``, ``hydra/launcher=basic``).
+
+Instead of one process per trial, the pool keeps up to N long-lived workers (``kdsweep.worker``), each a local
+process group of ``dist.nproc_per_node`` ranks, and hands each trial to an idle one through the sweep directory:
+``workers/<name>/task-<seq>.json`` (written atomically; writing it is the launch, so ``find`` looks there for a
+trial a dead controller was starting). The worker answers with ``done-<seq>.json`` (the exit code its job would
+have left); the controller judges the trial from its run directory and exit code exactly as for a job.
+
+A worker that dies is replaced by a new one (a new name; its trial is retried by the controller, from its
+checkpoint, as an attempt); workers that die before they ever get ready stop the sweep with one line. A resumed
+controller re-attaches to the workers still alive (``worker.json``: pid and start time) and to their trials.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kdsweep.config.schema import ConfigError
+from kdsweep.metrics.records import JOB_STARTED, write_json_atomic
+from kdsweep.sweep.manifest import STORAGE_ENV
+
+log = logging.getLogger(__name__)
+
+
+def worker_dir(sweep_dir: Path, name: str) -> Path:
+    """Where worker ``name`` of a sweep keeps its spec, its tasks and answers, its state and its log."""
+    return sweep_dir / "workers" / name
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON file written atomically, or None while it does not exist."""
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+FAILED_STARTS = 2
+"""Workers that may die before they ever get ready, none having got ready, before the sweep stops."""
+
+
+class WorkerPool:
+    def __init__(self, size: int, sweep_dir: Path, spec: dict[str, Any]) -> None:
+        self.size, self.sweep_dir, self.spec = size, sweep_dir, spec
+        self.root = sweep_dir / "workers"
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._procs: dict[str, subprocess.Popen] = {}
+        self.failed_starts, self.any_ready, self._counted = 0, False, set()
+        cores = len(os.sched_getaffinity(0))
+        self.threads = max(1, cores // size)
+        self._env = {k: v for k, v in os.environ.items() if k != JOB_STARTED}
+        self._env.setdefault("OMP_NUM_THREADS", str(self.threads))
+        self.all_cores = cores if "OMP_NUM_THREADS" not in os.environ else None
+
+    # -- the workers -------------------------------------------------------------------------------------------
+    def _names(self) -> list[str]:
+        return sorted((p.name for p in self.root.iterdir() if p.is_dir()), key=lambda n: int(n[1:]))
+
+    def _state(self, name: str) -> dict[str, Any]:
+        return read_json(worker_dir(self.sweep_dir, name) / "worker.json") or {}
+
+    def alive(self, name: str) -> bool:
+        from kdsweep.sweep.controller import _proc_stat
+
+        proc = self._procs.get(name)
+        if proc is not None:
+            return proc.poll() is None
+        info = read_json(worker_dir(self.sweep_dir, name) / "launch.json") or {}
+        stat = _proc_stat(info["pid"]) if "pid" in info else None
+        return stat is not None and stat[0] != "Z" and stat[19] == info.get("started")
+
+    def _last_seq(self, name: str) -> int:
+        d = worker_dir(self.sweep_dir, name)
+        return max((int(p.stem.split("-")[1]) for p in d.glob("task-*.json")), default=0)
+
+    def _idle(self, name: str) -> bool:
+        seq = self._last_seq(name)
+        return seq == 0 or (worker_dir(self.sweep_dir, name) / f"done-{seq}.json").exists()
+
+    def _launch(self) -> str:
+        from kdsweep.sweep.controller import _proc_stat
+
+        name = f"w{len(self._names())}"
+        d = worker_dir(self.sweep_dir, name)
+        d.mkdir(parents=True)
+        write_json_atomic(d / "spec.json", self.spec)
+        env = {**self._env, STORAGE_ENV: os.environ[STORAGE_ENV]}
+        with open(d / "worker.log", "ab") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "kdsweep.worker", str(self.sweep_dir), name], stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        self._procs[name] = proc
+        stat = _proc_stat(proc.pid)
+        write_json_atomic(d / "launch.json", {"pid": proc.pid, "started": stat[19] if stat else None,
+                                              "launched": time.time()})
+        log.info("worker %s started (pid %d, %d rank(s))", name, proc.pid, self.spec.get("nproc", 1))
+        return name
+
+    def _count_dead(self) -> None:
+        """Workers that died before getting ready: after FAILED_STARTS of them, none ready, the sweep stops."""
+        for name in self._names():
+            state = self._state(name)
+            self.any_ready = self.any_ready or bool(state.get("ready"))
+            if not state.get("ready") and not self.alive(name) and name not in self._counted:
+                self._counted.add(name)
+                self.failed_starts += 1
+        if self.failed_starts >= FAILED_STARTS and not self.any_ready:
+            log_path = worker_dir(self.sweep_dir, self._names()[-1]) / "worker.log"
+            raise ConfigError(f"no trial worker could start ({self.failed_starts} died before they were ready: "
+                              f"{_last_line(log_path)}); see {log_path}")
+
+    # -- Backend -------------------------------------------------------------------------------------------------
+    def start(self, args: list[str], run_dir: Path, alone: bool = False) -> dict[str, Any]:
+        self._count_dead()
+        live = [n for n in self._names() if self.alive(n)]
+        idle = [n for n in live if self._idle(n)]
+        if not idle and len(live) >= self.size:
+            raise RuntimeError(f"no idle worker among {live} (the controller keeps at most {self.size} trials running)")
+        name = idle[0] if idle else self._launch()
+        seq = self._last_seq(name) + 1
+        task = {"seq": seq, "trial": int(run_dir.name), "run_dir": str(run_dir), "args": args, "threads": self.threads,
+                "shared_threads": None}
+        if alone and self.all_cores:  # the teacher pass gets every core; then the trial shares them
+            task.update(threads=self.all_cores, shared_threads=self.threads)
+        write_json_atomic(worker_dir(self.sweep_dir, name) / f"task-{seq}.json", task)
+        return self._job(name, seq, run_dir)
+
+    def _job(self, name: str, seq: int, run_dir: Path) -> dict[str, Any]:
+        """The trial's job: its task on worker ``name``; its log is its own (the worker's own log holds them all)."""
+        return {"worker": name, "seq": seq, "logs": [str(run_dir / "job.log")]}
+
+    def poll(self, job: dict[str, Any]) -> int | None | str:
+        done = read_json(worker_dir(self.sweep_dir, job["worker"]) / f"done-{job['seq']}.json")
+        if done is not None:
+            return int(done["exit_code"])
+        if self.alive(job["worker"]):
+            return None
+        self._count_dead()
+        return "gone"
+
+    def find(self, args: list[str], run_dir: Path) -> dict[str, Any] | None:
+        """The task that assigned this trial to a worker, if it is still to run, running, or done."""
+        for name in self._names():
+            for seq in range(self._last_seq(name), 0, -1):
+                task = read_json(worker_dir(self.sweep_dir, name) / f"task-{seq}.json") or {}
+                if task.get("run_dir") == str(run_dir):
+                    return self._job(name, seq, run_dir)
+        return None
+
+    def close(self) -> None:
+        """The sweep is over: every live worker leaves once it is idle (it is, since no trial runs)."""
+        for name in self._names():
+            if self.alive(name):
+                seq = self._last_seq(name) + 1
+                write_json_atomic(worker_dir(self.sweep_dir, name) / f"task-{seq}.json", {"seq": seq, "stop": True})
+        for proc in self._procs.values():
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _last_line(path: Path) -> str:
+    if not path.exists():
+        return "no log"
+    lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    return (lines[-1] if lines else "no output")[:300]
+
+
+def worker_states(sweep_dir: Path) -> list[dict[str, Any]]:
+    """Every worker the sweep started, as its ``worker.json`` says (a worker that never got ready: its launch)."""
+    root = sweep_dir / "workers"
+    names = sorted((p.name for p in root.iterdir() if p.is_dir()), key=lambda n: int(n[1:])) if root.is_dir() else []
+    return [read_json(root / n / "worker.json") or {"name": n, "state": "starting", "trials_run": 0, "idle_s": 0.0,
+                                                     "ranks": (read_json(root / n / "spec.json") or {}).get("nproc", 1)}
+            for n in names]
+
+
+def idle_device_seconds(sweep_dir: Path) -> float:
+    """Seconds the workers held their devices without a trial (× their ranks): the sweep pays for them too."""
+    return sum(w.get("idle_s", 0.0) * w.get("ranks", 1) for w in worker_states(sweep_dir))
+
+
+def worker_lines(sweep_dir: Path) -> list[str]:
+    """``kdsweep status``: each worker, its job, the trials it ran, what it runs now and how long it sat idle."""
+    lines = []
+    for w in worker_states(sweep_dir):
+        job = f"slurm {w['slurm']['job_id']}" if w.get("slurm") else f"pid {w['pid']}" if w.get("pid") else "-"
+        now = f"running trial {w['trial']}" if w.get("state") == "busy" else w.get("state", "?")
+        lines.append(f"worker {w['name']} ({job}, {w.get('ranks', 1)} rank(s)): {w.get('trials_run', 0)} trials run, "
+                     f"{now}, idle {w.get('idle_s', 0.0):.1f} s")
+    return lines
