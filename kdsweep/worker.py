@@ -37,19 +37,25 @@ STARTED = "KDSWEEP_WORKER_STARTED"
 class WorkerSession:
     """``app.SESSION`` in a worker: every trial runs in the worker's process group, with the worker's ``Kept``."""
 
-    def __init__(self, env: Any) -> None:
+    def __init__(self, env: Any, device: Any) -> None:
         from kdsweep.train.kept import Kept
 
-        self.env, self._kept = env, Kept()
+        self.env, self.device, self._kept = env, device, Kept()
 
     @contextlib.contextmanager
     def joined(self, run_cfg: Any) -> Iterator[Any]:
+        """The worker's process group, if the trial fits it: the same ranks, the same kind of device."""
         from kdsweep.config.schema import ConfigError
+        from kdsweep.distributed import device_for
 
         ranks = run_cfg.dist.nproc_per_node
         if self.env.source in ("single", "local") and ranks != self.env.world_size:  # SLURM's tasks decide there
             raise ConfigError(f"dist.nproc_per_node={ranks} but this sweep's workers have {self.env.world_size} "
                               "rank(s): a trial cannot change its ranks; search over it with hydra.sweeper.workers=0")
+        device = device_for(run_cfg.train.device, self.env)  # no such device here: its own one line
+        if device.type != self.device.type:
+            raise ConfigError(f"train.device={run_cfg.train.device} but this sweep's workers run on {self.device.type}: "
+                              "a trial cannot change its device; search over it with hydra.sweeper.workers=0")
         yield self.env
 
     def kept(self) -> Any:
@@ -86,7 +92,7 @@ class Worker:
         # the worker's start (its launching process's, when that spawned the ranks): its first trial counts from it
         self.name, self.trials_run, self.started = name, 0, float(os.environ.get(STARTED) or process_started())
         self.idle_since, self.idle_s = time.time(), 0.0
-        self.leave = False
+        self.leave, self.cold = False, True
 
     def state(self, state: str, **more: Any) -> None:
         """``worker.json``: what the controller and ``kdsweep status`` read (rank 0 writes it)."""
@@ -110,8 +116,25 @@ class Worker:
             time.sleep(POLL_S)
         return task
 
+    def resume_seq(self) -> int:
+        """The last task this worker answered. A requeued worker (SLURM) starts again in its own directory: the trial
+        it was running when it went is answered "requeued" (the controller retries it, from its checkpoint)."""
+        if not self.env.is_main:
+            return self.env.broadcast_object(None)
+        from kdsweep.metrics.records import write_json_atomic
+
+        seq = max((int(p.stem.split("-")[1]) for p in self.dir.glob("done-*.json")), default=0)
+        earlier = read_json(self.dir / "worker.json")
+        if earlier is not None:
+            self.trials_run, self.idle_s = earlier.get("trials_run", 0), earlier.get("idle_s", 0.0)
+            if earlier.get("state") == "busy" and earlier.get("seq") == seq + 1:
+                log.warning("worker %s: requeued while it ran trial %s", self.name, earlier.get("trial"))
+                write_json_atomic(self.dir / f"done-{seq + 1}.json", {"exit_code": "requeued", "ended": time.time()})
+                seq += 1
+        return self.env.broadcast_object(seq)
+
     def serve(self) -> None:
-        seq = 0
+        seq = self.resume_seq()
         self.state("idle", ready=True)
         while not self.leave:
             seq += 1
@@ -141,8 +164,9 @@ class Worker:
 
         import torch.distributed as dist
 
-        try:
-            dist.monitored_barrier(timeout=datetime.timedelta(seconds=self.spec.get("timeout_s", 600)))
+        timeout = datetime.timedelta(seconds=self.spec.get("timeout_s", 600))
+        try:  # gloo names a rank that does not arrive; NCCL's barrier ends at the group's own timeout
+            dist.monitored_barrier(timeout=timeout) if dist.get_backend() == "gloo" else dist.barrier()
         except RuntimeError as e:
             log.error("worker %s: the ranks fell out of step after a trial (%s): leaving", self.name, e)
             self.leave = True
@@ -157,8 +181,9 @@ class Worker:
         run_dir = Path(task["run_dir"])
         run_dir.mkdir(parents=True, exist_ok=True)
         # the first trial counts the worker's start-up (cold), the next ones from the moment they were picked up
-        os.environ[JOB_STARTED] = str(self.started if self.trials_run == 0 else time.time())
-        os.environ[WORKER] = f"{self.name}:{self.trials_run}"
+        os.environ[JOB_STARTED] = str(self.started if self.cold else time.time())
+        os.environ[WORKER] = f"{self.name}:{self.trials_run}:{'cold' if self.cold else 'warm'}"
+        self.cold = False
         threads = torch.get_num_threads()
         torch.set_num_threads(task.get("threads") or threads)
         if task.get("shared_threads"):
@@ -206,7 +231,7 @@ def serve(sweep_dir: str, name: str) -> None:
     device = device_for(spec.get("device", "auto"), env)
     with process_group(env, device, timeout_s=spec.get("timeout_s", 600)):
         release_port(env, kdsweep_cache())
-        app.SESSION = WorkerSession(env)
+        app.SESSION = WorkerSession(env, device)
         import kdsweep.train  # noqa: F401  the imports a trial needs, paid once (a cold start)
         Worker(Path(sweep_dir), name, env, spec).serve()
 

@@ -63,15 +63,16 @@ def slurm() -> dict[str, str] | None:
 
 
 WORKER = "KDSWEEP_WORKER"
-"""Set by a warm trial worker for each trial it runs: ``<name>:<trials it ran before this one>``."""
+"""Set by a warm trial worker for each trial it runs: ``<name>:<trials it ran before this one>:<cold|warm>`` (cold:
+the first trial of its process, which pays the process's start)."""
 
 
 def worker() -> dict[str, Any] | None:
     """The warm worker this attempt runs in: its name, the trials it ran before, and whether it started cold."""
     if not os.environ.get(WORKER):
         return None
-    name, before = os.environ[WORKER].rsplit(":", 1)
-    return {"name": name, "trials_before": int(before), "start": "warm" if int(before) else "cold"}
+    name, before, start = os.environ[WORKER].rsplit(":", 2)
+    return {"name": name, "trials_before": int(before), "start": start}
 
 
 def environment() -> dict[str, Any]:

@@ -44,6 +44,22 @@ class TrialJob:
         return submitit.helpers.DelayedSubmission(self, args)
 
 
+class WorkerJob:
+    """What every task of a warm worker's SLURM job runs (``hydra.sweeper.workers``): ``kdsweep.worker.serve``, each
+    task one rank of the worker's process group, trial after trial."""
+
+    def __call__(self, sweep_dir: str, name: str) -> None:
+        from kdsweep.worker import serve
+
+        serve(sweep_dir, name)
+
+    def checkpoint(self, sweep_dir: str, name: str) -> Any:
+        """submitit's requeue hook: the requeued job is the same worker again (its trial was checkpointed)."""
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(self, sweep_dir, name)
+
+
 def executor_for(launcher: dict[str, Any]) -> Any:
     """A submitit SLURM executor from ``hydra.launcher``'s settings, read as hydra-submitit-launcher reads them."""
     import submitit
@@ -178,3 +194,45 @@ class SlurmJobs:
 
     def close(self) -> None:
         pass  # every job has ended: nothing is held
+
+    def worker_starter(self) -> "SlurmStarter":
+        return SlurmStarter(self)
+
+
+class SlurmStarter:
+    """Warm workers as SLURM jobs (``kdsweep.sweep.workers.WorkerPool``): one job per worker with the launcher's
+    nodes, tasks and GPUs, submitted by submitit; alive while sacct has not seen it end (a requeued job lives on)."""
+
+    threads = all_cores = None  # a job has the cores its launcher asks for
+
+    def __init__(self, jobs: SlurmJobs) -> None:
+        self.jobs, self._ended = jobs, set()
+
+    def launch(self, sweep_dir: Path, name: str) -> dict[str, Any]:
+        import submitit
+
+        self.jobs._executor = self.jobs._executor or executor_for(self.jobs.launcher)
+        tag = hashlib.sha1(str(sweep_dir.resolve()).encode()).hexdigest()[:8]
+        self.jobs._executor.update_parameters(name=f"{self.jobs.study_name}-worker-{name}-{tag}")
+        try:
+            job = self.jobs._executor.submit(WorkerJob(), str(sweep_dir), name)
+        except (subprocess.CalledProcessError, submitit.core.utils.FailedJobError) as e:
+            detail = (getattr(e, "stderr", None) or getattr(e, "output", None) or str(e))
+            detail = detail.decode(errors="replace") if isinstance(detail, bytes) else str(detail)
+            raise ConfigError(f"sbatch refused worker {name}'s job ({detail.strip().splitlines()[-1][:300]}); "
+                              "check hydra.launcher (partition, time, resources)") from None
+        self.jobs._when = 0.0
+        return {"slurm_job_id": str(job.job_id), "log": str(job.paths.stderr), "logs": [str(job.paths.stdout),
+                                                                                         str(job.paths.stderr)]}
+
+    def alive(self, info: dict[str, Any]) -> bool:
+        job_id = info["slurm_job_id"]
+        if job_id not in self._ended and self.jobs.poll({"slurm_job_id": job_id}) is not None:
+            self._ended.add(job_id)  # an end sacct reported (past the requeue grace) is final
+        return job_id not in self._ended
+
+    def reap(self, info: dict[str, Any]) -> None:
+        pass  # SLURM ended every task of the job
+
+    def close(self) -> None:
+        pass  # every worker was told to stop: their jobs end on their own

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -45,18 +46,62 @@ FAILED_STARTS = 2
 """Workers that may die before they ever get ready, none having got ready, before the sweep stops."""
 
 
-class WorkerPool:
-    def __init__(self, size: int, sweep_dir: Path, spec: dict[str, Any]) -> None:
-        self.size, self.sweep_dir, self.spec = size, sweep_dir, spec
-        self.root = sweep_dir / "workers"
-        self.root.mkdir(parents=True, exist_ok=True)
-        self._procs: dict[str, subprocess.Popen] = {}
-        self.failed_starts, self.any_ready, self._counted = 0, False, set()
+class LocalStarter:
+    """Local workers (``hydra/launcher=basic``): each a process of this machine, seen by its pid and start time."""
+
+    def __init__(self, size: int) -> None:
+        self._procs: dict[int, subprocess.Popen] = {}
         cores = len(os.sched_getaffinity(0))
-        self.threads = max(1, cores // size)
+        self.threads = max(1, cores // size)  # concurrent workers share the cores (as LocalProcesses' trials do)
         self._env = {k: v for k, v in os.environ.items() if k != JOB_STARTED}
         self._env.setdefault("OMP_NUM_THREADS", str(self.threads))
         self.all_cores = cores if "OMP_NUM_THREADS" not in os.environ else None
+
+    def launch(self, sweep_dir: Path, name: str) -> dict[str, Any]:
+        from kdsweep.sweep.controller import _proc_stat
+
+        env = {**self._env, STORAGE_ENV: os.environ[STORAGE_ENV]}
+        with open(worker_dir(sweep_dir, name) / "worker.log", "ab") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "kdsweep.worker", str(sweep_dir), name], stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        self._procs[proc.pid] = proc
+        stat = _proc_stat(proc.pid)
+        return {"pid": proc.pid, "started": stat[19] if stat else None}
+
+    def alive(self, info: dict[str, Any]) -> bool:
+        from kdsweep.sweep.controller import _proc_stat
+
+        proc = self._procs.get(info.get("pid"))
+        if proc is not None:
+            return proc.poll() is None
+        stat = _proc_stat(info["pid"]) if "pid" in info else None  # a worker an earlier controller started
+        return stat is not None and stat[0] != "Z" and stat[19] == info.get("started")
+
+    def reap(self, info: dict[str, Any]) -> None:
+        """A dead worker's ranks go with it: its launching process led their process group (a worker killed with
+        kill -9 leaves ranks that would still write into its trial's directory)."""
+        if info.get("pid"):
+            try:
+                os.killpg(info["pid"], signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def close(self) -> None:
+        for proc in self._procs.values():
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+class WorkerPool:
+    """The Backend: trials handed to up to ``size`` workers that ``starter`` starts (local processes, SLURM jobs)."""
+
+    def __init__(self, size: int, sweep_dir: Path, spec: dict[str, Any], starter: Any) -> None:
+        self.size, self.sweep_dir, self.spec, self.starter = size, sweep_dir, spec, starter
+        self.root = sweep_dir / "workers"
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.failed_starts, self.any_ready, self._counted = 0, False, set()
 
     # -- the workers -------------------------------------------------------------------------------------------
     def _names(self) -> list[str]:
@@ -66,14 +111,8 @@ class WorkerPool:
         return read_json(worker_dir(self.sweep_dir, name) / "worker.json") or {}
 
     def alive(self, name: str) -> bool:
-        from kdsweep.sweep.controller import _proc_stat
-
-        proc = self._procs.get(name)
-        if proc is not None:
-            return proc.poll() is None
-        info = read_json(worker_dir(self.sweep_dir, name) / "launch.json") or {}
-        stat = _proc_stat(info["pid"]) if "pid" in info else None
-        return stat is not None and stat[0] != "Z" and stat[19] == info.get("started")
+        info = read_json(worker_dir(self.sweep_dir, name) / "launch.json")
+        return info is not None and self.starter.alive(info)
 
     def _last_seq(self, name: str) -> int:
         d = worker_dir(self.sweep_dir, name)
@@ -84,21 +123,16 @@ class WorkerPool:
         return seq == 0 or (worker_dir(self.sweep_dir, name) / f"done-{seq}.json").exists()
 
     def _launch(self) -> str:
-        from kdsweep.sweep.controller import _proc_stat
-
         name = f"w{len(self._names())}"
         d = worker_dir(self.sweep_dir, name)
         d.mkdir(parents=True)
         write_json_atomic(d / "spec.json", self.spec)
-        env = {**self._env, STORAGE_ENV: os.environ[STORAGE_ENV]}
-        with open(d / "worker.log", "ab") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "kdsweep.worker", str(self.sweep_dir), name], stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True, env=env)
-        self._procs[name] = proc
-        stat = _proc_stat(proc.pid)
-        write_json_atomic(d / "launch.json", {"pid": proc.pid, "started": stat[19] if stat else None,
-                                              "launched": time.time()})
-        log.info("worker %s started (pid %d, %d rank(s))", name, proc.pid, self.spec.get("nproc", 1))
+        launched = time.time()
+        info = self.starter.launch(self.sweep_dir, name)
+        write_json_atomic(d / "launch.json", {**info, "launched": launched})
+        log.info("worker %s started (%s, %d rank(s) each)", name,
+                 f"slurm {info['slurm_job_id']}" if "slurm_job_id" in info else f"pid {info['pid']}",
+                 self.spec.get("nproc", 1))
         return name
 
     def _count_dead(self) -> None:
@@ -110,7 +144,8 @@ class WorkerPool:
                 self._counted.add(name)
                 self.failed_starts += 1
         if self.failed_starts >= FAILED_STARTS and not self.any_ready:
-            log_path = worker_dir(self.sweep_dir, self._names()[-1]) / "worker.log"
+            last = worker_dir(self.sweep_dir, self._names()[-1])
+            log_path = Path((read_json(last / "launch.json") or {}).get("log") or last / "worker.log")
             raise ConfigError(f"no trial worker could start ({self.failed_starts} died before they were ready: "
                               f"{_last_line(log_path)}); see {log_path}")
 
@@ -123,10 +158,11 @@ class WorkerPool:
             raise RuntimeError(f"no idle worker among {live} (the controller keeps at most {self.size} trials running)")
         name = idle[0] if idle else self._launch()
         seq = self._last_seq(name) + 1
-        task = {"seq": seq, "trial": int(run_dir.name), "run_dir": str(run_dir), "args": args, "threads": self.threads,
+        threads = getattr(self.starter, "threads", None)  # local workers share this machine's cores
+        task = {"seq": seq, "trial": int(run_dir.name), "run_dir": str(run_dir), "args": args, "threads": threads,
                 "shared_threads": None}
-        if alone and self.all_cores:  # the teacher pass gets every core; then the trial shares them
-            task.update(threads=self.all_cores, shared_threads=self.threads)
+        if alone and getattr(self.starter, "all_cores", None):  # the teacher pass gets every core, then shares them
+            task.update(threads=self.starter.all_cores, shared_threads=threads)
         write_json_atomic(worker_dir(self.sweep_dir, name) / f"task-{seq}.json", task)
         return self._job(name, seq, run_dir)
 
@@ -136,10 +172,11 @@ class WorkerPool:
 
     def poll(self, job: dict[str, Any]) -> int | None | str:
         done = read_json(worker_dir(self.sweep_dir, job["worker"]) / f"done-{job['seq']}.json")
-        if done is not None:
-            return int(done["exit_code"])
+        if done is not None:  # the exit code its job would have left, or a word ("requeued": it did not end)
+            return done["exit_code"]
         if self.alive(job["worker"]):
             return None
+        self.starter.reap(read_json(worker_dir(self.sweep_dir, job["worker"]) / "launch.json") or {})
         self._count_dead()
         return "gone"
 
@@ -153,16 +190,19 @@ class WorkerPool:
         return None
 
     def close(self) -> None:
-        """The sweep is over: every live worker leaves once it is idle (it is, since no trial runs)."""
-        for name in self._names():
-            if self.alive(name):
-                seq = self._last_seq(name) + 1
-                write_json_atomic(worker_dir(self.sweep_dir, name) / f"task-{seq}.json", {"seq": seq, "stop": True})
-        for proc in self._procs.values():
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        """The sweep is over: every live worker leaves once it is idle (it is, since no trial runs); the sweep ends
+        when they have (SLURM shows their jobs COMPLETED), or after two minutes."""
+        live = [n for n in self._names() if self.alive(n)]
+        for name in live:
+            seq = self._last_seq(name) + 1
+            write_json_atomic(worker_dir(self.sweep_dir, name) / f"task-{seq}.json", {"seq": seq, "stop": True})
+        deadline = time.time() + 120
+        while live and time.time() < deadline:
+            time.sleep(0.5)
+            live = [n for n in live if self.alive(n)]
+        if live:
+            log.warning("workers %s did not leave within 2 minutes of the sweep's end", ", ".join(live))
+        self.starter.close()
 
 
 def _last_line(path: Path) -> str:

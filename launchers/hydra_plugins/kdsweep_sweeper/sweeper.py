@@ -70,25 +70,21 @@ class KdsweepOptunaSweeper(Sweeper):
         from kdsweep.config.schema import ConfigError
         from kdsweep.sweep.controller import LocalProcesses
         from kdsweep.sweep.slurm import SlurmJobs
-        from kdsweep.sweep.workers import WorkerPool
+        from kdsweep.sweep.workers import LocalStarter, WorkerPool
 
         launcher = str(OmegaConf.select(self.config, "hydra.launcher._target_", default=""))
-        if settings.workers and launcher.endswith(".BasicLauncher"):
-            spec = {"nproc": first.dist.nproc_per_node, "device": first.train.device, "timeout_s": first.dist.timeout_s,
-                    "master_addr": first.dist.master_addr, "idle_s": settings.worker_idle_s}
-            if settings.workers > settings.max_concurrent:
-                log.warning("hydra.sweeper.workers=%d but max_concurrent=%d: %d workers run the trials",
-                            settings.workers, settings.max_concurrent, settings.max_concurrent)
-            return WorkerPool(min(settings.workers, settings.max_concurrent), sweep_dir, spec)
-        if settings.workers:
-            raise ConfigError(f"hydra.sweeper.workers={settings.workers} runs local workers only for now "
-                              "(hydra/launcher=basic); on SLURM pass hydra.sweeper.workers=0 (one job per trial)")
+        size = min(settings.workers, settings.max_concurrent)
+        if settings.workers > settings.max_concurrent:
+            log.warning("hydra.sweeper.workers=%d but max_concurrent=%d: %d workers run the trials",
+                        settings.workers, settings.max_concurrent, size)
+        spec = {"nproc": first.dist.nproc_per_node, "device": first.train.device, "timeout_s": first.dist.timeout_s,
+                "master_addr": first.dist.master_addr, "idle_s": settings.worker_idle_s}
         if launcher.endswith(".BasicLauncher"):
-            return LocalProcesses(settings.max_concurrent)
+            return WorkerPool(size, sweep_dir, spec, LocalStarter(size)) if size else LocalProcesses(settings.max_concurrent)
         if launcher.endswith(".SlurmLauncher"):
             jobs = SlurmJobs(OmegaConf.to_container(self.config.hydra.launcher, resolve=True), settings.study_name)
             jobs.preflight()
-            return jobs
+            return WorkerPool(size, sweep_dir, spec, jobs.worker_starter()) if size else jobs
         raise ConfigError(
             f"hydra.launcher={launcher.rsplit('.', 1)[-1]} cannot run kdsweep's trials: use hydra/launcher=basic "
             "(local processes; dist.nproc_per_node=N for ranks) or hydra/launcher=submitit_slurm"

@@ -1,0 +1,75 @@
+"""Warm trial workers on the real local SLURM cluster: 6 trials on 2 worker jobs of 2 ranks, one requeued mid-trial."""
+
+import hashlib
+import json
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import kdsweep, read_metrics, read_run
+from test_slurm_jobs import ONE_THREAD
+from test_sweep import manifest, search, study
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
+
+
+def jobs_named(fragment: str) -> dict[str, str]:
+    out = subprocess.run(["sacct", "-X", "--parsable2", "--noheader", "-o", "JobID,JobName,State", "-S", "now-1hours"],
+                         capture_output=True, text=True, check=True).stdout
+    return {parts[0]: parts[2] for parts in (line.split("|") for line in out.splitlines()) if fragment in parts[1]}
+
+
+def test_six_trials_run_on_two_worker_jobs_and_a_requeued_workers_trial_resumes(tmp_path, zoo_dirs):
+    sweep_dir = tmp_path / "sweep"
+    args = search(tmp_path, "slurmwarm", {
+        "n_trials": 6, "max_concurrent": 2, "workers": 2, "sampler": "random", "pruner": "none", "poll_s": 0.5,
+        "params": {"kd_ratio": "choice(0.2,0.4,0.5,0.6,0.8)", "train.max_steps": "choice(4,24)"},
+        "enqueue": [{"kd_ratio": 0.5, "train.max_steps": 24}, *({"kd_ratio": k, "train.max_steps": 4}
+                                                              for k in (0.2, 0.4, 0.6, 0.8, 0.5))],
+    }, {"train": {"eval_every": 4}, "checkpoint": {"save_every": 4, "export_adapter": False, "export_merged": False}})
+    cmd = [sys.executable, "-m", "kdsweep", *args, *ONE_THREAD, "hydra/launcher=submitit_slurm", "cluster=local_cpu",
+           f"hydra.sweep.dir={sweep_dir}"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    reference = tmp_path / "reference"
+    with ThreadPoolExecutor(1) as pool:  # the uninterrupted reference of trial 0 runs beside the sweep
+        reference_done = pool.submit(kdsweep, "hparams_search=slurmwarm", f"hydra.searchpath=[file://{tmp_path / 'conf'}]",
+                                     "kd_ratio=0.5", "train.max_steps=24", *ONE_THREAD, f"hydra.run.dir={reference}",
+                                     cwd=tmp_path)
+        deadline = time.time() + 300
+        while not ((sweep_dir / "0" / "metrics.jsonl").exists()
+                   and any(r["step"] >= 10 for r in read_metrics(sweep_dir / "0") if r["kind"] == "train")):
+            assert time.time() < deadline and proc.poll() is None, "trial 0 did not reach step 10"
+            time.sleep(0.3)
+        worker = manifest(sweep_dir)["trials"]["0"]["job"]["worker"]
+        worker_job = read_run(sweep_dir / "0")["environment"]["slurm"]["job_id"]
+        subprocess.run(["scontrol", "requeue", worker_job], check=True)  # what preemption does to a job
+        out, _ = proc.communicate(timeout=600)
+        reference_done.result()
+    assert proc.returncode == 0, out[-3000:]
+
+    trials = study(sweep_dir, "slurmwarm").trials
+    assert [t.state.name for t in trials] == ["COMPLETE"] * 6
+    # every job of this sweep (its names end with the sweep's tag): 2 worker jobs, no trial's own job
+    workers = jobs_named("-" + hashlib.sha1(str(sweep_dir.resolve()).encode()).hexdigest()[:8])
+    launched = {json.loads(p.read_text())["slurm_job_id"] for p in (sweep_dir / "workers").glob("*/launch.json")}
+    assert set(workers) == launched and len(launched) == 2 and set(workers.values()) == {"COMPLETED"}, workers
+    entries = manifest(sweep_dir)["trials"]
+    for n in range(6):  # each trial's directory as a trial job writes it, from a worker job of this sweep
+        record = read_run(sweep_dir / str(n))
+        assert record["status"] == "completed" and record["world_size"] == 2
+        assert record["environment"]["slurm"]["job_id"] in workers
+        logs = subprocess.run([sys.executable, "-m", "kdsweep", "logs", str(sweep_dir), str(n)], capture_output=True,
+                              text=True)
+        assert logs.returncode == 0 and logs.stdout.count("held-out CE after") == 1, logs.stdout[-2000:]
+
+    # the requeued worker's trial: SIGTERM made its ranks checkpoint, the controller retried it (an attempt) and it
+    # resumed from its checkpoint: every step once, the same objective as an uninterrupted run
+    record = read_run(sweep_dir / "0")
+    assert entries["0"]["attempts"] == 2 and 10 <= record["start_step"] < 24
+    assert [r["step"] for r in read_metrics(sweep_dir / "0") if r["kind"] == "train"] == list(range(1, 25))
+    assert record["objective"] == pytest.approx(read_run(reference)["objective"], abs=1e-5)
+    status = kdsweep("status", str(sweep_dir), cwd=tmp_path).stdout
+    assert f"worker {worker} (slurm {worker_job}" in status
