@@ -1,4 +1,6 @@
-"""Warm trial workers on the real local SLURM cluster: 6 trials on 2 worker jobs of 2 ranks, one requeued mid-trial."""
+"""Warm trial workers on the real local SLURM cluster: 6 trials on 2 worker jobs of 2 ranks; mid-trial, one worker is
+requeued (scontrol requeue: SIGTERM) and the other warned of its time limit (USR2, as SLURM does signal_delay_s
+before it): both checkpoint their trial, which resumes from there."""
 
 import hashlib
 import json
@@ -22,13 +24,18 @@ def jobs_named(fragment: str) -> dict[str, str]:
     return {parts[0]: parts[2] for parts in (line.split("|") for line in out.splitlines()) if fragment in parts[1]}
 
 
-def test_six_trials_run_on_two_worker_jobs_and_a_requeued_workers_trial_resumes(tmp_path, zoo_dirs):
+def past_step(run_dir, step: int) -> bool:
+    return (run_dir / "metrics.jsonl").exists() and any(r["step"] >= step for r in read_metrics(run_dir)
+                                                         if r["kind"] == "train")
+
+
+def test_six_trials_on_two_worker_jobs_and_a_requeued_or_warned_workers_trial_resumes(tmp_path, zoo_dirs):
     sweep_dir = tmp_path / "sweep"
     args = search(tmp_path, "slurmwarm", {
         "n_trials": 6, "max_concurrent": 2, "workers": 2, "sampler": "random", "pruner": "none", "poll_s": 0.5,
         "params": {"kd_ratio": "choice(0.2,0.4,0.5,0.6,0.8)", "train.max_steps": "choice(4,24)"},
-        "enqueue": [{"kd_ratio": 0.5, "train.max_steps": 24}, *({"kd_ratio": k, "train.max_steps": 4}
-                                                              for k in (0.2, 0.4, 0.6, 0.8, 0.5))],
+        "enqueue": [{"kd_ratio": 0.5, "train.max_steps": 24}, {"kd_ratio": 0.5, "train.max_steps": 24},
+                    *({"kd_ratio": k, "train.max_steps": 4} for k in (0.2, 0.4, 0.6, 0.8))],
     }, {"train": {"eval_every": 4}, "checkpoint": {"save_every": 4, "export_adapter": False, "export_merged": False}})
     cmd = [sys.executable, "-m", "kdsweep", *args, *ONE_THREAD, "hydra/launcher=submitit_slurm", "cluster=local_cpu",
            f"hydra.sweep.dir={sweep_dir}"]
@@ -39,13 +46,14 @@ def test_six_trials_run_on_two_worker_jobs_and_a_requeued_workers_trial_resumes(
                                      "kd_ratio=0.5", "train.max_steps=24", *ONE_THREAD, f"hydra.run.dir={reference}",
                                      cwd=tmp_path)
         deadline = time.time() + 300
-        while not ((sweep_dir / "0" / "metrics.jsonl").exists()
-                   and any(r["step"] >= 10 for r in read_metrics(sweep_dir / "0") if r["kind"] == "train")):
-            assert time.time() < deadline and proc.poll() is None, "trial 0 did not reach step 10"
-            time.sleep(0.3)
+        jobs = {}
+        for trial, signal in (("0", ["scontrol", "requeue"]), ("1", ["scancel", "--signal=USR2"])):
+            while not past_step(sweep_dir / trial, 10):
+                assert time.time() < deadline and proc.poll() is None, f"trial {trial} did not reach step 10"
+                time.sleep(0.3)
+            jobs[trial] = read_run(sweep_dir / trial)["environment"]["slurm"]["job_id"]
+            subprocess.run([*signal, jobs[trial]], check=True)
         worker = manifest(sweep_dir)["trials"]["0"]["job"]["worker"]
-        worker_job = read_run(sweep_dir / "0")["environment"]["slurm"]["job_id"]
-        subprocess.run(["scontrol", "requeue", worker_job], check=True)  # what preemption does to a job
         out, _ = proc.communicate(timeout=600)
         reference_done.result()
     assert proc.returncode == 0, out[-3000:]
@@ -65,11 +73,15 @@ def test_six_trials_run_on_two_worker_jobs_and_a_requeued_workers_trial_resumes(
                               text=True)
         assert logs.returncode == 0 and logs.stdout.count("held-out CE after") == 1, logs.stdout[-2000:]
 
-    # the requeued worker's trial: SIGTERM made its ranks checkpoint, the controller retried it (an attempt) and it
-    # resumed from its checkpoint: every step once, the same objective as an uninterrupted run
-    record = read_run(sweep_dir / "0")
-    assert entries["0"]["attempts"] == 2 and 10 <= record["start_step"] < 24
-    assert [r["step"] for r in read_metrics(sweep_dir / "0") if r["kind"] == "train"] == list(range(1, 25))
-    assert record["objective"] == pytest.approx(read_run(reference)["objective"], abs=1e-5)
+    # the requeued worker's trial (SIGTERM) and the warned one's (USR2): their ranks checkpointed at the next step,
+    # the controller retried each (an attempt) and it resumed from its checkpoint in a worker job again (the
+    # requeued one, or the one submitit requeued at USR2): every step once, the objective of an uninterrupted run
+    assert jobs["0"] != jobs["1"]
+    for trial, word in (("0", "SIGTERM"), ("1", "SIGUSR2")):
+        record = read_run(sweep_dir / trial)
+        assert entries[trial]["attempts"] == 2 and 10 <= record["start_step"] < 24, (trial, record["start_step"])
+        assert f"received {word}" in (sweep_dir / trial / "kdsweep.log").read_text()
+        assert [r["step"] for r in read_metrics(sweep_dir / trial) if r["kind"] == "train"] == list(range(1, 25))
+        assert record["objective"] == pytest.approx(read_run(reference)["objective"], abs=1e-5)
     status = kdsweep("status", str(sweep_dir), cwd=tmp_path).stdout
-    assert f"worker {worker} (slurm {worker_job}" in status
+    assert f"worker {worker} (slurm {jobs['0']}" in status
