@@ -21,6 +21,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -194,6 +195,9 @@ class Worker:
         streams = (lambda s: _Tee(out, s)) if out else (lambda s: s)
         root = logging.getLogger()
         handlers, level = root.handlers[:], root.level  # Hydra configures logging for the trial: restored after
+        # and a trial's preemption watch, even one that failed before it could restore them (submitit's handler
+        # must stay the one a later trial hands its signal over to)
+        signals = {s: signal.getsignal(s) for s in (signal.SIGUSR2, signal.SIGTERM)}
         code = 0
         try:
             with contextlib.redirect_stdout(streams(sys.stdout)), contextlib.redirect_stderr(streams(sys.stderr)):
@@ -204,6 +208,8 @@ class Worker:
             log.exception("worker %s: trial %s failed", self.name, task["trial"])
             code = 1
         finally:
+            for signum, handler in signals.items():
+                signal.signal(signum, handler)
             for h in [h for h in root.handlers if h not in handlers]:
                 root.removeHandler(h)
                 h.close()
@@ -237,6 +243,18 @@ def serve(sweep_dir: str, name: str) -> None:
 
 
 def main() -> None:
+    """``python -m kdsweep.worker SWEEP_DIR NAME``: a worker that cannot start (no such device, ...) says why in one
+    line, which the controller repeats when no worker of its pool could start."""
+    from kdsweep.config.schema import ConfigError
+
+    try:
+        _main()
+    except ConfigError as e:
+        print(f"kdsweep: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+def _main() -> None:
     from kdsweep.config.schema import DistConfig
     from kdsweep.distributed import detect
     from kdsweep.distributed.launch import spawn

@@ -35,7 +35,8 @@ class Sweep:
     """One row per trial, by number: state (the manifest's; ``optuna_state`` the study's), ``objective.<name>``
     (NaN unless COMPLETE), ``param.<key>``, started/ended (UTC) and duration_s (first start to end, requeues
     included), attempts, the run record's status and steps, pruned_step and last_value (the last value reported
-    to the pruner), ``eval_after.<metric>``, reason (FAIL), run_dir, pid or slurm_job_id, host, world_size,
+    to the pruner), ``eval_after.<metric>``, reason (FAIL), run_dir, pid or slurm_job_id (a warm worker's trial: its
+    worker, and the worker's SLURM job), host, world_size,
     wandb_run_id."""
     history: pd.DataFrame
     """Every row of every trial's metrics.jsonl, in order: trial, kind (train | eval), step, the metrics."""
@@ -195,7 +196,8 @@ def _trials_frame(sweep_dir: Path, manifest: dict[str, Any], entries: list[dict[
             "reason": entry.get("reason") or None,
             "run_dir": str(trial_dir(sweep_dir, entry)),
             "pid": job.get("pid"),
-            "slurm_job_id": job.get("slurm_job_id"),
+            "slurm_job_id": job.get("slurm_job_id") or ((record.get("environment") or {}).get("slurm") or {}).get("job_id"),
+            "worker": job.get("worker"),
             "host": env.get("host"),
             "world_size": record.get("world_size"),
             "wandb_run_id": wandb.get("id"),
@@ -215,7 +217,7 @@ def _trials_frame(sweep_dir: Path, manifest: dict[str, Any], entries: list[dict[
 def _columns(objectives: list[str], keys: list[str]) -> list[str]:
     return ["number", "state", *(f"objective.{o}" for o in objectives), *(f"param.{k}" for k in keys),
             "started", "ended", "duration_s", "attempts", "status", "steps", "pruned_step", "last_value",
-            *(f"eval_after.{m}" for m in EVAL_METRICS), "reason", "run_dir", "pid", "slurm_job_id", "host",
+            *(f"eval_after.{m}" for m in EVAL_METRICS), "reason", "run_dir", "pid", "slurm_job_id", "worker", "host",
             "world_size", "wandb_run_id", "optuna_state"]
 
 

@@ -209,7 +209,7 @@ def _last_line(path: Path) -> str:
     if not path.exists():
         return "no log"
     lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
-    return (lines[-1] if lines else "no output")[:300]
+    return (lines[-1] if lines else "no output").removeprefix("kdsweep: error: ")[:300]
 
 
 def worker_states(sweep_dir: Path) -> list[dict[str, Any]]:

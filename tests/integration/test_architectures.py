@@ -132,7 +132,7 @@ def test_the_exports_reproduce_the_objective(matrix):
 
     from kdsweep.data.rows import Rows
     from kdsweep.distributed import single_process
-    from kdsweep.train.loop import eval_batches_of_rank
+    from kdsweep.train.trial import eval_batches_of_rank
     from kdsweep.teacher.live import LiveTeacher
     from kdsweep.train.step import evaluate
 

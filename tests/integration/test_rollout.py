@@ -118,9 +118,10 @@ def test_bad_rollout_input_is_one_line_before_anything_runs(case, instructions, 
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("launcher", ["local", "slurm"])
+@pytest.mark.parametrize("launcher", ["local_workers", "slurm"])
 def test_a_sweep_over_lmbda_with_pruning_runs(launcher, instructions, tmp_path, request):
-    extra = []
+    """Locally on 2 warm workers (its third trial runs warm, and equals its own process), on SLURM one job per trial."""
+    extra = ["hydra.sweeper.workers=2", "train.threads=1"]
     if launcher == "slurm":
         request.getfixturevalue("slurm_cluster")
         extra = ["hydra/launcher=submitit_slurm", "cluster=local_cpu"]
@@ -140,6 +141,11 @@ def test_a_sweep_over_lmbda_with_pruning_runs(launcher, instructions, tmp_path, 
         generated += sum(r["generated_tokens"] for r in train_lines(sweep_dir / n) if r["rollout"] == "teacher")
     cost = re.search(r"teacher: (\d+) tokens computed \((\d+) generated, ", kdsweep("status", str(sweep_dir), cwd=tmp_path).stdout)
     assert generated > 0 and cost and int(cost[2]) == generated and int(cost[1]) > generated
+    if launcher == "local_workers":  # on-policy steps in a warm worker: the same completions and numbers
+        from test_workers import alone, assert_identical
+
+        assert read_run(sweep_dir / "2")["environment"]["worker"]["start"] == "warm"
+        assert_identical(sweep_dir / "2", alone(tmp_path, sweep_dir, 2))
 
 
 def test_a_rollout_knob_that_does_nothing_is_a_warning(tmp_path):

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
@@ -17,7 +18,8 @@ from test_sweep import manifest, search, study
 
 pytestmark = pytest.mark.slow
 
-TIMING = ("tokens_per_s", "tokens_per_s_per_rank", "step_s", "peak_mem_mb", "peak_mem_mb_per_rank", "generation_s")
+TIMING = ("tokens_per_s", "tokens_per_s_per_rank", "step_s", "peak_mem_mb", "peak_mem_mb_per_rank", "generation_s",
+          "generation_share")
 """Metrics a process measures (time, memory) rather than computes: everything else must be identical."""
 
 
@@ -25,16 +27,29 @@ def computed(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in TIMING and not k.endswith("_per_s")} for r in rows]
 
 
-def worker_sweep(tmp_path, name: str, enqueue: list[dict], params: dict, overrides: dict, *args: str):
+def worker_sweep(tmp_path, name: str, enqueue: list[dict], params: dict, overrides: dict, *args: str,
+                 compare: tuple[int, ...] = ()):
     """A sweep of the enqueued points on one warm worker, one trial at a time (the median pruner stops a trial
-    worse than the first at an eval). Returns the sweep directory and the finished process."""
+    worse than the first at an eval), and beside it the points numbered ``compare``, each as its own process.
+    Returns the sweep directory, the finished process and {number: the own process's run directory}."""
     sweep_dir = tmp_path / "sweep"
     search_args = search(tmp_path, name, {
         "n_trials": len(enqueue), "max_concurrent": 1, "workers": 1, "sampler": "random", "pruner": "median",
         "pruner_startup_trials": 1, "params": params, "enqueue": enqueue,
     }, overrides)
-    return sweep_dir, kdsweep(*search_args, *args, "train.threads=1", *QUIET, f"hydra.sweep.dir={sweep_dir}",
-                              cwd=tmp_path)
+    base = [*search_args[1:], *args, "train.threads=1", *QUIET]  # what the sweep gives every trial, without -m
+    own_dirs = {n: tmp_path / f"alone-{n}" for n in compare}
+    with ThreadPoolExecutor(1 + len(compare)) as pool:  # the worker trains on one core: the others use the second
+        sweep = pool.submit(kdsweep, *search_args, *args, "train.threads=1", *QUIET, f"hydra.sweep.dir={sweep_dir}",
+                            cwd=tmp_path)
+        for n, run_dir in own_dirs.items():
+            pool.submit(kdsweep, *base, *(f"{k}={v}" for k, v in enqueue[n].items()), f"hydra.run.dir={run_dir}",
+                        cwd=tmp_path).result()
+        proc = sweep.result()
+    for n in own_dirs:  # the same arguments as the trial's (less the trial's own)
+        own = [a for a in manifest(sweep_dir)["trials"][str(n)]["args"] if not a.startswith(("trial.", "hydra.run"))]
+        assert sorted(own) == sorted([*base, *(f"{k}={v}" for k, v in enqueue[n].items())]), own
+    return sweep_dir, proc, own_dirs
 
 
 def alone(tmp_path, sweep_dir, number: int):
@@ -46,10 +61,17 @@ def alone(tmp_path, sweep_dir, number: int):
 
 
 def assert_identical(warm, cold):
+    """The warm trial's numbers are its own process's. A pruned warm trial (its own process ran on): every row up to
+    the step it stopped at, and its objective is the evaluation its own process logged at that step."""
     a, b = read_run(warm), read_run(cold)
-    assert a["objective"] == b["objective"], (a["objective"], b["objective"])
-    assert a["eval_after"] == b["eval_after"]
-    assert computed(read_metrics(warm)) == computed(read_metrics(cold))
+    rows_a, rows_b = computed(read_metrics(warm)), computed(read_metrics(cold))
+    if a["status"] == "pruned":
+        rows_b = [r for r in rows_b if r["step"] <= a["steps"]]
+        assert rows_b[-1]["kind"] == "eval" and a["objective"] == rows_b[-1]["student_ce"]
+    else:
+        assert a["objective"] == b["objective"], (a["objective"], b["objective"])
+        assert a["eval_after"] == b["eval_after"]
+    assert rows_a == rows_b
 
 
 @pytest.fixture(scope="module")
@@ -58,19 +80,19 @@ def one_rank(tmp_path_factory, zoo_dirs):
     learn), one that fails in its job (train.device=cuda: no CUDA here), then trial 3, compared below. The first
     learns slowly (lr 1e-5), so the pruner stops the one that cannot learn and lets trial 3 finish."""
     tmp_path = tmp_path_factory.mktemp("workers1")
-    sweep_dir, proc = worker_sweep(tmp_path, "warm1", [
+    sweep_dir, proc, own = worker_sweep(tmp_path, "warm1", [
         {"lr": 1e-5, "kd_ratio": 0.3, "lora_rank": 4, "train.device": "cpu"},
         {"lr": 1e-7, "kd_ratio": 0.5, "lora_rank": 8, "train.device": "cpu"},
         {"lr": 0.01, "kd_ratio": 0.5, "lora_rank": 4, "train.device": "cuda"},
         {"lr": 0.01, "kd_ratio": 0.7, "lora_rank": 8, "train.device": "cpu"},
     ], {"lr": "tag(log, interval(1e-7,1e-1))", "kd_ratio": "interval(0.0,1.0)", "lora_rank": "choice(4,8)",
         "train.device": "choice(cpu,cuda)"},
-        {"train": {"eval_every": 2, "max_steps": 6}}, "teacher.logits=cache")
-    return tmp_path, sweep_dir, proc
+        {"train": {"eval_every": 2, "max_steps": 6}}, "teacher.logits=cache", compare=(3,))
+    return tmp_path, sweep_dir, proc, own
 
 
 def test_one_worker_runs_every_trial_and_the_controller_judges_them(one_rank):
-    tmp_path, sweep_dir, proc = one_rank
+    tmp_path, sweep_dir, proc, _ = one_rank
     trials = study(sweep_dir, "warm1").trials
     assert [t.state.name for t in trials] == ["COMPLETE", "PRUNED", "FAIL", "COMPLETE"]
     assert "train.device=cuda but no CUDA device" in trials[2].user_attrs["reason"]  # its one line
@@ -82,14 +104,14 @@ def test_one_worker_runs_every_trial_and_the_controller_judges_them(one_rank):
 
 
 def test_a_warm_trial_equals_its_own_process(one_rank):
-    tmp_path, sweep_dir, _ = one_rank
+    tmp_path, sweep_dir, _, own = one_rank
     warm = sweep_dir / "3"
     assert read_run(warm)["environment"]["worker"] == {"name": "w0", "trials_before": 3, "start": "warm"}
-    assert_identical(warm, alone(tmp_path, sweep_dir, 3))
+    assert_identical(warm, own[3])
 
 
 def test_a_warm_trial_writes_its_own_directory_and_log(one_rank):
-    tmp_path, sweep_dir, _ = one_rank
+    tmp_path, sweep_dir, _, _ = one_rank
     record = read_run(sweep_dir / "3")
     assert record["status"] == "completed" and record["trial"]["number"] == 3
     assert record["teacher_targets"]["source"] == "cache" and not record["teacher_targets"]["built"]
@@ -108,26 +130,26 @@ def two_ranks(tmp_path_factory, zoo_dirs):
     """2 ranks, a live teacher kept by the worker: a slow first trial, a pruned one and a failed one, then a LoRA
     trial and a full fine-tune, compared below."""
     tmp_path = tmp_path_factory.mktemp("workers2")
-    sweep_dir, proc = worker_sweep(tmp_path, "warm2", [
+    sweep_dir, proc, own = worker_sweep(tmp_path, "warm2", [
         {"lr": 1e-5, "lora_rank": 4, "train.device": "cpu"},
         {"lr": 1e-7, "lora_rank": 8, "train.device": "cpu"},
         {"lr": 0.01, "lora_rank": 4, "train.device": "cuda"},
         {"lr": 0.01, "lora_rank": 8, "train.device": "cpu"},
         {"lr": 0.001, "lora_rank": 0, "train.device": "cpu"},
     ], {"lr": "tag(log, interval(1e-7,1e-1))", "lora_rank": "choice(0,4,8)", "train.device": "choice(cpu,cuda)"},
-        {"train": {"eval_every": 2, "max_steps": 4}, "dist": {"nproc_per_node": 2}})
-    return tmp_path, sweep_dir, proc
+        {"train": {"eval_every": 2, "max_steps": 4}, "dist": {"nproc_per_node": 2}}, compare=(3, 4))
+    return tmp_path, sweep_dir, proc, own
 
 
 def test_two_rank_warm_trials_equal_their_own_processes(two_ranks):
-    tmp_path, sweep_dir, _ = two_ranks
+    tmp_path, sweep_dir, _, own = two_ranks
     assert [t.state.name for t in study(sweep_dir, "warm2").trials] == ["COMPLETE", "PRUNED", "FAIL", "COMPLETE",
                                                                          "COMPLETE"]
     for number in (3, 4):  # LoRA rank 8, then a full fine-tune, after a pruned trial and a failed one
         warm = sweep_dir / str(number)
         record = read_run(warm)
         assert record["world_size"] == 2 and record["environment"]["worker"]["trials_before"] == number
-        assert_identical(warm, alone(tmp_path, sweep_dir, number))
+        assert_identical(warm, own[number])
         assert record["kept"] == ["tokenizer", "data", "live_teacher"]  # the teacher's weights stay loaded
     assert math.isfinite(read_run(sweep_dir / "4")["objective"])
 
@@ -153,7 +175,7 @@ def train_steps(run_dir) -> list[int]:
 
 @pytest.fixture(scope="module")
 def faults(tmp_path_factory, zoo_dirs):
-    """3 trials of 40 steps on 2 workers. The controller is killed (kill -9) while both workers are busy and resumed
+    """3 trials of 30 steps on 2 workers. The controller is killed (kill -9) while both workers are busy and resumed
     (`kdsweep resume`); then the worker running trial 0 is killed (kill -9) mid-trial, after its checkpoint at step
     10: what was seen, and the resume's run."""
     tmp_path = tmp_path_factory.mktemp("workers_faults")
@@ -161,10 +183,14 @@ def faults(tmp_path_factory, zoo_dirs):
     args = search(tmp_path, "faults", {
         "n_trials": 3, "max_concurrent": 2, "workers": 2, "sampler": "random", "pruner": "none",
         "params": {"kd_ratio": "interval(0.0,1.0)"}, "enqueue": [{"kd_ratio": 0.3}, {"kd_ratio": 0.6}, {"kd_ratio": 0.9}],
-    }, {"train": {"eval_every": 20, "max_steps": 40}, "checkpoint": {"save_every": 5, "export_adapter": False,
+    }, {"train": {"eval_every": 15, "max_steps": 30}, "checkpoint": {"save_every": 5, "export_adapter": False,
                                                                      "export_merged": False}})
     cmd = [sys.executable, "-m", "kdsweep", *args, "train.threads=1", *QUIET, f"hydra.sweep.dir={sweep_dir}"]
     controller = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    reference = tmp_path / "alone-0"  # trial 0 uninterrupted, as its own process, beside the sweep
+    pool = ThreadPoolExecutor(1)
+    reference_done = pool.submit(kdsweep, *args[1:], "train.threads=1", *QUIET, "kd_ratio=0.3",
+                                 f"hydra.run.dir={reference}", cwd=tmp_path)
     wait_for(lambda: all(worker_state(sweep_dir, w).get("state") == "busy" for w in ("w0", "w1")),
              "both workers busy", controller)
     os.kill(controller.pid, signal.SIGKILL)
@@ -177,8 +203,10 @@ def faults(tmp_path_factory, zoo_dirs):
     victim = manifest(sweep_dir)["trials"]["0"]["job"]["worker"]
     os.kill(json.loads((sweep_dir / "workers" / victim / "launch.json").read_text())["pid"], signal.SIGKILL)
     out, err = resume.communicate(timeout=600)
+    reference_done.result()
+    pool.shutdown()
     return SimpleNamespace(tmp_path=tmp_path, sweep_dir=sweep_dir, busy=busy, victim=victim, code=resume.returncode,
-                           out=out, err=err)
+                           out=out, err=err, reference=reference)
 
 
 def test_a_resumed_controller_reattaches_to_busy_workers_and_a_killed_workers_trial_resumes(faults):
@@ -194,6 +222,17 @@ def test_a_resumed_controller_reattaches_to_busy_workers_and_a_killed_workers_tr
     assert trials["0"]["attempts"] == 2 and trials["0"]["job"]["worker"] != faults.victim
     record = read_run(sweep_dir / "0")
     assert record["resumed_from"] and record["start_step"] >= 10
-    assert train_steps(sweep_dir / "0") == list(range(1, 41))
-    reference = alone(faults.tmp_path, sweep_dir, 0)
-    assert record["objective"] == pytest.approx(read_run(reference)["objective"], abs=1e-5)
+    assert train_steps(sweep_dir / "0") == list(range(1, 31))
+    assert record["objective"] == pytest.approx(read_run(faults.reference)["objective"], abs=1e-5)
+
+
+def test_workers_that_cannot_start_stop_the_sweep_with_one_line(tmp_path, zoo_dirs):
+    """Every worker dies before it is ready (the sweep's device does not exist here): the sweep stops, saying why."""
+    args = search(tmp_path, "nostart", {"n_trials": 2, "max_concurrent": 1, "workers": 1, "sampler": "random",
+                                        "pruner": "none", "params": {"kd_ratio": "interval(0.0,1.0)"}},
+                  {"train": {"max_steps": 2}})
+    proc = kdsweep(*args, "train.device=cuda", *QUIET, f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path,
+                   check=False, timeout=300)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and last.startswith("kdsweep: error: no trial worker could start"), proc.stderr[-2000:]
+    assert "train.device=cuda but no CUDA device" in last and "worker.log" in last

@@ -172,7 +172,7 @@ def test_packed_loss_and_gradients_equal_the_padded_ones(packed, impl):
 def test_every_rank_gets_as_many_eval_batches_and_each_row_counts_once(n_rows, world, batch):
     """Ranks of a sharded model must run the same number of forwards, even with fewer held-out rows than ranks."""
     from kdsweep.distributed import DistEnv
-    from kdsweep.train.loop import eval_batches_of_rank
+    from kdsweep.train.trial import eval_batches_of_rank
 
     rows = padded_rows(random_docs([3 + i % 4 for i in range(n_rows)]))
     per_rank = [eval_batches_of_rank(rows, batch, DistEnv(rank=r, world_size=world), torch.device("cpu"))

@@ -1,0 +1,44 @@
+"""Options that cannot act in a run's setting: a warning each, instead of ignoring them silently."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kdsweep.config.schema import DataConfig, DistConfig, RolloutConfig, RunConfig, StudentConfig, TeacherCacheConfig
+from kdsweep.distributed import DistEnv
+
+log = logging.getLogger(__name__)
+
+
+def warn_idle_knobs(cfg: RunConfig, dist: DistEnv) -> None:
+    """Options that cannot act in this setting: say so instead of ignoring them silently."""
+
+    def changed(section: Any, default: Any, knob: str) -> bool:
+        return getattr(section, knob) != getattr(default, knob)
+
+    if dist.world_size == 1:
+        for knob in ("reshard_after_forward", "mixed_precision", "cpu_offload"):
+            if changed(cfg.dist, DistConfig(), knob):
+                log.warning("dist.%s=%s has no effect with one rank (nothing is sharded)", knob, getattr(cfg.dist, knob))
+    if dist.source in ("torchrun", "slurm") and changed(cfg.dist, DistConfig(), "nproc_per_node"):
+        log.warning("dist.nproc_per_node=%d is ignored: %s decides the ranks (%d here)",
+                    cfg.dist.nproc_per_node, dist.source, dist.world_size)
+    if cfg.model.lora_rank == 0:
+        for knob in ("lora_alpha", "lora_dropout"):
+            if changed(cfg.model, StudentConfig(zoo="tiny-student"), knob):
+                log.warning("model.%s has no effect with lora_rank=0 (full fine-tune)", knob)
+        if cfg.checkpoint.export_adapter and not cfg.checkpoint.export_merged:
+            log.warning("checkpoint.export_adapter: a full fine-tune has no adapter; set export_merged=true to export")
+    cache, default = cfg.teacher.cache, TeacherCacheConfig()
+    idle = {"live": ("method", "k", "temperature", "seed", "rows", "dir"), "full": ("k", "temperature", "seed"),
+            "topk": ("seed",), "sample": ()}["live" if cfg.teacher.logits == "live" else cache.method]
+    for knob in (k for k in idle if changed(cache, default, k)):
+        why = "teacher.logits=live" if cfg.teacher.logits == "live" else f"teacher.cache.method={cache.method}"
+        log.warning("teacher.cache.%s=%s has no effect with %s", knob, getattr(cache, knob), why)
+    if not cfg.rollout.active:
+        for knob in ("max_new_tokens", "temperature", "top_p", "seed"):
+            if changed(cfg.rollout, RolloutConfig(), knob):
+                log.warning("rollout.%s has no effect with lmbda=0 and rollout.seq_kd=false (nothing is generated)", knob)
+    if cfg.data.eval_datasets and changed(cfg.data, DataConfig(), "eval_fraction"):
+        log.warning("data.eval_fraction has no effect: data.eval_datasets are the held-out set")

@@ -1,0 +1,117 @@
+"""What a trial owns, built on the run's sources (``train.sources``) and never kept from one trial to the next: its
+student (a fresh LoRA adapter, or the full weights read again), rollout, optimizer, scheduler, random state,
+evaluation, cost meter, starting point (a checkpoint, or the sweep's shared baseline evaluation) and metric sinks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from kdsweep.checkpoint import steps as checkpoints
+from kdsweep.config.schema import RunConfig
+from kdsweep.data.rows import Rows
+from kdsweep.distributed import DistEnv
+from kdsweep.metrics.cost import CostMeter
+from kdsweep.metrics.records import RunRecord, job_started
+from kdsweep.metrics.sinks import MetricLogger, open_sinks
+from kdsweep.models.load import load_student
+from kdsweep.rollout import open_rollout
+from kdsweep.train import schedule
+from kdsweep.train.baseline import baseline, baseline_path
+from kdsweep.train.sources import Sources
+from kdsweep.train.step import Batch, EvalResult, evaluate
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Trial:
+    student: nn.Module
+    rollout: Any
+    """Where each step's micro-batches come from: the data, or completions generated on-policy (``rollout``)."""
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    evaluate: Callable[[], EvalResult]
+    """The held-out evaluation (a collective: every rank calls it)."""
+    meter: CostMeter
+    start_step: int
+    eval_before: EvalResult
+    metrics: MetricLogger
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of this rank so far: allocated device memory on GPUs, the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def eval_batches_of_rank(rows: Rows, batch_size: int, dist: DistEnv, device: torch.device) -> list[Batch]:
+    """This rank's share of the held-out rows, in batches.
+
+    Sharded models run collectives in every forward, so every rank must run the same number of forwards:
+    a rank whose share is shorter gets padding batches whose labels are all ignored (they add nothing).
+    """
+    share = torch.arange(len(rows)).tensor_split(dist.world_size)[dist.rank]
+    longest = -(-len(rows) // dist.world_size)
+    batches = [rows.batch(idx).to(device) for idx in share.split(batch_size) if len(idx)]
+    while len(batches) < -(-longest // batch_size):
+        batches.append(rows.batch([0], mask_labels=True).to(device))
+    return batches
+
+
+def start_trial(cfg: RunConfig, dist: DistEnv, device: torch.device, src: Sources, record: RunRecord | None,
+                resume_from: Path | None, out: Path) -> Trial:
+    """The trial's own parts, from its checkpoint (``resume_from``) or from the start (after the baseline)."""
+    t0 = time.perf_counter()
+    student = load_student(src.student_dir, cfg.model, cfg.train.dtype, device, cfg.train.seed, dist, cfg.dist)
+    src.timings["student_s"] = time.perf_counter() - t0
+    rollout = open_rollout(cfg, student, src.teacher.train, src.tokenizer, dist, device)
+
+    torch.manual_seed(cfg.train.seed + dist.rank)  # dropout: each rank its own stream, as each has its own data
+    o = cfg.optim
+    optimizer = torch.optim.AdamW(
+        [p for p in student.parameters() if p.requires_grad], lr=o.lr, betas=o.betas, eps=o.eps,
+        weight_decay=o.weight_decay,
+    )
+    scheduler = schedule.build(optimizer, o, cfg.train.max_steps)
+    eval_batches = eval_batches_of_rank(src.eval_rows, cfg.data.eval_batch_size, dist, device)
+    evaluate_now = lambda: evaluate(
+        student, src.teacher.eval, eval_batches, ignore_index=cfg.loss.ignore_index, dist=dist,
+        num_chunks=cfg.loss.num_chunks, fused=cfg.loss.impl == "fused",
+    )
+    # the job's own start: its imports and tokenization hold the devices too
+    teacher = src.teacher
+    meter = CostMeter(dist, job_started(), teacher.tokens, (teacher.record.get("build") or {}).get("teacher_tokens", 0))
+
+    if resume_from is not None:
+        state = checkpoints.load(resume_from, student, optimizer, dist)
+        scheduler.load_state_dict(state["scheduler"])
+        start_step, eval_before = state["step"], EvalResult(**state["eval_before"])
+        log.info("resumed from %s (step %d)", resume_from, start_step)
+    else:
+        where = baseline_path(cfg, src.student_dir, src.teacher_dir, teacher.record, src.data.cache_dir.name,
+                              dist.world_size)
+        start_step, (eval_before, src.timings["baseline_reused"]) = 0, baseline(where, evaluate_now, dist)
+    log.info(
+        "held-out CE before: student %.4f, teacher %.4f (KL %.4f, %d tokens)",
+        eval_before.student_ce, eval_before.teacher_ce, eval_before.kl, eval_before.tokens,
+    )
+    sinks, wandb_info = open_sinks(cfg, out, start_step, record.data["config"]) if record is not None else ([], None)
+    metrics = MetricLogger(sinks)
+    if start_step == 0:
+        metrics.log("eval", 0, asdict(eval_before))
+    if record is not None:
+        record.update(models={"student": str(src.student_dir), "teacher": str(src.teacher_dir)},  # a hub id's snapshot
+                      timings=src.timings, data=src.stats, resumed_from=str(resume_from) if resume_from else None,
+                      start_step=start_step, wandb=wandb_info)
+    return Trial(student, rollout, optimizer, scheduler, evaluate_now, meter, start_step, eval_before, metrics)
