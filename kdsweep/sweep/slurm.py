@@ -28,6 +28,11 @@ ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEM
 MAYBE_REQUEUED, REQUEUE_GRACE_S = ("PREEMPTED", "NODE_FAIL"), 120.0
 
 
+def sweep_tag(sweep_dir: Path) -> str:
+    """What a sweep's job names end with: its directory's hash (never another sweep's jobs)."""
+    return hashlib.sha1(str(sweep_dir.resolve()).encode()).hexdigest()[:8]
+
+
 class TrialJob:
     """What every task of a trial's SLURM job runs: ``python -m kdsweep ARGS``, in-process."""
 
@@ -127,24 +132,27 @@ class SlurmJobs:
     def job_name(self, run_dir: Path) -> str:
         """The trial's SLURM job name: the study, the trial's number and its sweep (a resumed controller finds the
         job by it, and never another sweep's)."""
-        sweep = hashlib.sha1(str(run_dir.parent.resolve()).encode()).hexdigest()[:8]
-        return f"{self.study_name}-{run_dir.name}-{sweep}"
+        return f"{self.study_name}-{run_dir.name}-{sweep_tag(run_dir.parent)}"
 
-    def start(self, args: list[str], run_dir: Path, alone: bool = False) -> dict[str, Any]:
-        """Submit the trial's job (``alone`` changes nothing: a SLURM job has the resources its launcher names)."""
+    def submit(self, name: str, what: str, fn: Any, *args: Any) -> Any:
+        """Submit ``fn(*args)`` as SLURM job ``name``; sbatch's refusal is one line naming ``what`` was refused."""
         import submitit
 
         self._executor = self._executor or executor_for(self.launcher)
-        number = run_dir.name  # the trial's number
-        self._executor.update_parameters(name=self.job_name(run_dir))
+        self._executor.update_parameters(name=name)
         try:
-            job = self._executor.submit(TrialJob(), args)
+            job = self._executor.submit(fn, *args)
         except (subprocess.CalledProcessError, submitit.core.utils.FailedJobError) as e:
             detail = (getattr(e, "stderr", None) or getattr(e, "output", None) or str(e))
             detail = detail.decode(errors="replace") if isinstance(detail, bytes) else str(detail)
-            raise ConfigError(f"sbatch refused trial {number}'s job ({detail.strip().splitlines()[-1][:300]}); "
+            raise ConfigError(f"sbatch refused {what} ({detail.strip().splitlines()[-1][:300]}); "
                               "check hydra.launcher (partition, time, resources)") from None
         self._when = 0.0  # see the new job at the next poll
+        return job
+
+    def start(self, args: list[str], run_dir: Path, alone: bool = False) -> dict[str, Any]:
+        """Submit the trial's job (``alone`` changes nothing: a SLURM job has the resources its launcher names)."""
+        job = self.submit(self.job_name(run_dir), f"trial {run_dir.name}'s job", TrialJob(), args)
         return {"slurm_job_id": str(job.job_id), "logs": [str(job.paths.stdout), str(job.paths.stderr)]}
 
     def find(self, args: list[str], run_dir: Path) -> dict[str, Any] | None:
@@ -209,19 +217,8 @@ class SlurmStarter:
         self.jobs, self._ended = jobs, set()
 
     def launch(self, sweep_dir: Path, name: str) -> dict[str, Any]:
-        import submitit
-
-        self.jobs._executor = self.jobs._executor or executor_for(self.jobs.launcher)
-        tag = hashlib.sha1(str(sweep_dir.resolve()).encode()).hexdigest()[:8]
-        self.jobs._executor.update_parameters(name=f"{self.jobs.study_name}-worker-{name}-{tag}")
-        try:
-            job = self.jobs._executor.submit(WorkerJob(), str(sweep_dir), name)
-        except (subprocess.CalledProcessError, submitit.core.utils.FailedJobError) as e:
-            detail = (getattr(e, "stderr", None) or getattr(e, "output", None) or str(e))
-            detail = detail.decode(errors="replace") if isinstance(detail, bytes) else str(detail)
-            raise ConfigError(f"sbatch refused worker {name}'s job ({detail.strip().splitlines()[-1][:300]}); "
-                              "check hydra.launcher (partition, time, resources)") from None
-        self.jobs._when = 0.0
+        job = self.jobs.submit(f"{self.jobs.study_name}-worker-{name}-{sweep_tag(sweep_dir)}", f"worker {name}'s job",
+                               WorkerJob(), str(sweep_dir), name)
         return {"slurm_job_id": str(job.job_id), "log": str(job.paths.stderr), "logs": [str(job.paths.stdout),
                                                                                          str(job.paths.stderr)]}
 

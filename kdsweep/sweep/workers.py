@@ -42,6 +42,12 @@ def read_json(path: Path) -> dict[str, Any] | None:
     except (FileNotFoundError, json.JSONDecodeError):
         return None
 
+def worker_names(sweep_dir: Path) -> list[str]:
+    """The sweep's workers, in the order they were started (w0, w1, ...)."""
+    root = sweep_dir / "workers"
+    return sorted((p.name for p in root.iterdir() if p.is_dir()), key=lambda n: int(n[1:])) if root.is_dir() else []
+
+
 FAILED_STARTS = 2
 """Workers that may die before they ever get ready, none having got ready, before the sweep stops."""
 
@@ -105,7 +111,7 @@ class WorkerPool:
 
     # -- the workers -------------------------------------------------------------------------------------------
     def _names(self) -> list[str]:
-        return sorted((p.name for p in self.root.iterdir() if p.is_dir()), key=lambda n: int(n[1:]))
+        return worker_names(self.sweep_dir)
 
     def _state(self, name: str) -> dict[str, Any]:
         return read_json(worker_dir(self.sweep_dir, name) / "worker.json") or {}
@@ -215,10 +221,9 @@ def _last_line(path: Path) -> str:
 def worker_states(sweep_dir: Path) -> list[dict[str, Any]]:
     """Every worker the sweep started, as its ``worker.json`` says (a worker that never got ready: its launch)."""
     root = sweep_dir / "workers"
-    names = sorted((p.name for p in root.iterdir() if p.is_dir()), key=lambda n: int(n[1:])) if root.is_dir() else []
     return [read_json(root / n / "worker.json") or {"name": n, "state": "starting", "trials_run": 0, "idle_s": 0.0,
                                                      "ranks": (read_json(root / n / "spec.json") or {}).get("nproc", 1)}
-            for n in names]
+            for n in worker_names(sweep_dir)]
 
 
 def idle_device_seconds(sweep_dir: Path) -> float:

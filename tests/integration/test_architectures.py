@@ -66,12 +66,8 @@ def _preflight(cfg) -> str | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def matrix(tmp_path_factory):
-    """Build every model once, run every cell; {(row, mode, impl, ranks): run.json or the refusal}."""
-    from kdsweep.train import run
-
-    root = tmp_path_factory.mktemp("archs")
+def build_models(root: Path) -> None:
+    """Every architecture's student and teacher, and the corpus, in ``root`` (tests/loops/gloo_ranks.py too)."""
     extra = tuple(f"w{i}" for i in range(40))
     tok = word_tokenizer(extra)
     (root / "corpus.txt").write_text("\n".join(word_lines(120, [*WORDS, *extra][:30], seed=0)) + "\n")
@@ -79,6 +75,15 @@ def matrix(tmp_path_factory):
         save_arch(root / f"student_{arch}", arch, tok, hidden=32, layers=2, seed=0)
         save_arch(root / f"teacher_{arch}", arch, tok, hidden=48, layers=2, seed=1)
     save_arch(root / "teacher_qwen2_padded", "qwen2", tok, hidden=48, layers=2, seed=1, pad_vocab=16)
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    """Build every model once, run every cell; {(row, mode, impl, ranks): run.json or the refusal}."""
+    from kdsweep.train import run
+
+    root = tmp_path_factory.mktemp("archs")
+    build_models(root)
 
     cells = {(row, mode, impl, ranks): cell_config(root, row, mode, impl, ranks)
              for row in ROWS for mode in MODES for impl in IMPLS for ranks in (1, 2)}

@@ -61,12 +61,8 @@ def cells(root: Path, ranks: int) -> list:
     return out
 
 
-@pytest.fixture(scope="module")
-def jobs(tmp_path_factory):
-    """Every cell, 1-rank ones here (they build cache1), 2-rank ones in two spawned ranks (they build cache2)."""
-    from kdsweep.train import run
-
-    root = tmp_path_factory.mktemp("teacher_cache")
+def build_models(root: Path) -> None:
+    """The cells' documents, student and teacher in ``root`` (tests/loops/gloo_ranks.py too)."""
     rng = random.Random(0)
     # documents of very different lengths: packed rows mix several, padded rows are mostly padding
     (root / "docs.jsonl").write_text("".join(
@@ -74,6 +70,15 @@ def jobs(tmp_path_factory):
     tok = word_tokenizer()
     save_hf_model(root / "student", tok, hidden=32, layers=2, seed=0)
     save_hf_model(root / "teacher", tok, hidden=48, layers=2, seed=1, pad_vocab=8)
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """Every cell, 1-rank ones here (they build cache1), 2-rank ones in two spawned ranks (they build cache2)."""
+    from kdsweep.train import run
+
+    root = tmp_path_factory.mktemp("teacher_cache")
+    build_models(root)
     torch.set_num_threads(1)
     for cfg in cells(root, 1):
         run(cfg)
