@@ -2,8 +2,9 @@
 
 Same search space (conf/hparams_search/kd_optuna.yaml), budget (--n-trials, --concurrency) and sampler seed:
 
-- async: the real `python -m kdsweep -m hparams_search=kd_optuna` (refills a slot as soon as a trial ends,
-  its pruner: percentile 75 as shipped), timed from its launch; trials read back from its sweep.json.
+- async: the real `python -m kdsweep -m hparams_search=kd_optuna hydra.sweeper.workers=0` (one job per trial;
+  refills a slot as soon as a trial ends, its pruner: percentile 75 as shipped), timed from its launch; trials
+  read back from its sweep.json.
 - batch: what hydra-optuna-sweeper does with a parallel launcher: ask `concurrency` trials from a TPE study with
   the same seed and a NopPruner, run them as concurrent `python -m kdsweep hparams_search=kd_optuna <params>`
   processes (the same fixed overrides the sweep gives its trials; OMP_NUM_THREADS = cores // concurrency like
@@ -237,7 +238,7 @@ def main() -> None:
         cache = ["teacher.logits=cache", f"teacher.cache.method={args.cache_method}",
                  f"teacher.cache.dir={work / 'teacher_cache'}"]
         async_extra = [*args.extra, *(cache if args.cache else [])]
-        async_rows, async_wall, async_space, _ = run_async(work, n, c, seed, async_extra)
+        async_rows, async_wall, async_space, _ = run_async(work, n, c, seed, [*async_extra, "hydra.sweeper.workers=0"])
         print(f"batch arm: batches of {c}, no pruning", flush=True)
         batch_rows, batch_wall, batch_space = run_batch(work, n, c, seed, args.extra)
         pool = None

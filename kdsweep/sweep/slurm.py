@@ -76,6 +76,9 @@ def executor_for(launcher: dict[str, Any]) -> Any:
                                      slurm_max_num_timeout=params.pop("max_num_timeout"))
     common = set(OmegaConf.structured(BaseQueueConf).keys())
     executor.update_parameters(**{k if k in common else f"slurm_{k}": v for k, v in params.items()})
+    # A task that dies (kill -9, out of memory) ends its job at once: otherwise its job's other ranks wait in a
+    # collective until dist.timeout_s, and SLURM shows the job RUNNING all that time.
+    executor.update_parameters(slurm_srun_args=["--kill-on-bad-exit=1"])
     return executor
 
 

@@ -17,6 +17,8 @@ SAMPLERS = ("tpe", "gp", "random", "grid")
 PRUNERS = ("percentile", "median", "halving", "hyperband", "none")
 OBJECTIVES = ("student_ce", "kl", "teacher_ce")
 DIRECTIONS = ("minimize", "maximize")
+WORKER_SHAPE = ("dist.nproc_per_node", "train.device")
+"""What a warm worker is made of: a trial cannot change it (kdsweep.worker.WorkerSession.joined)."""
 NFS_TYPES = ("nfs", "nfs4", "cifs", "smb3", "lustre", "gpfs", "beegfs")
 
 
@@ -53,10 +55,11 @@ class SweepSettings:
     enqueue: tuple[dict[str, Any], ...] = ()
     """Points to try first, in order (known-good settings, a baseline), before the sampler proposes any."""
     params: dict[str, str] = field(default_factory=dict)
-    workers: int = 0
-    """0: one job per trial. N: trials run on N long-lived workers (at most ``max_concurrent``), each a job with
-    the resources a trial has; a worker keeps its imports, process group, tokenized data and a live teacher from
-    one trial to the next (``kdsweep.worker``)."""
+    workers: int | None = None
+    """None (the default): one warm worker per slot (``max_concurrent``), unless the search changes what a worker
+    is (its ranks or device: WORKER_SHAPE), then one job per trial. 0: one job per trial. N: trials run on N
+    long-lived workers (at most ``max_concurrent``), each a job with the resources a trial has; a worker keeps its
+    imports, process group, tokenized data and a live teacher from one trial to the next (``kdsweep.worker``)."""
     worker_idle_s: float = 600.0
     """A worker with no task for this long leaves (a controller that died and was not resumed)."""
 
@@ -76,7 +79,8 @@ class SweepSettings:
             f"{len(self.objectives)} objectives",
         )
         _check(self.retries >= 0, f"hydra.sweeper.retries={self.retries} must be >= 0")
-        _check(self.workers >= 0, f"hydra.sweeper.workers={self.workers} must be >= 0 (0: one job per trial)")
+        _check(self.workers is None or self.workers >= 0,
+               f"hydra.sweeper.workers={self.workers} must be >= 0 (0: one job per trial; null: one worker per slot)")
         _check(self.worker_idle_s > 0, f"hydra.sweeper.worker_idle_s={self.worker_idle_s} must be > 0")
         _check(0 < self.pruner_percentile < 100, f"hydra.sweeper.pruner_percentile={self.pruner_percentile} must be in (0, 100)")
 
@@ -85,6 +89,18 @@ class SweepSettings:
         """From plain data (Hydra's container, the manifest's JSON), where tuples arrive as lists."""
         tuples = {k: tuple(values.get(k) or ()) for k in ("objectives", "directions", "enqueue") if k in values}
         return cls(**{**values, **tuples})
+
+    def reshaping_keys(self) -> list[str]:
+        """The searched or enqueued keys that change what a warm worker is (its ranks, its device)."""
+        keys = set(self.params) | {k for point in self.enqueue for k in point}
+        return sorted(k for k in keys if k in WORKER_SHAPE)
+
+    @property
+    def pool_size(self) -> int:
+        """How many warm workers run the trials; 0: one job per trial."""
+        if self.workers is None:
+            return 0 if self.reshaping_keys() else self.max_concurrent
+        return min(self.workers, self.max_concurrent)
 
     @property
     def multi_objective(self) -> bool:

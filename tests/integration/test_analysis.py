@@ -1,4 +1,5 @@
-"""kdsweep.analysis and notebooks/sweep_analysis.ipynb on one real sweep (4 trials, one pruned, W&B offline)."""
+"""kdsweep.analysis and notebooks/sweep_analysis.ipynb on one real sweep (4 trials on 2 warm workers, one pruned,
+W&B offline)."""
 
 import json
 import os
@@ -27,7 +28,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(scope="module")
 def sweep_dir(tmp_path_factory, zoo_dirs):
-    """4 trials of 8 steps, 2 at a time, W&B offline; trial 2's lr cannot learn, and it starts only after a
+    """4 trials of 8 steps on 2 warm workers, W&B offline; trial 2's lr cannot learn, and it starts only after a
     trial has completed (the median pruner's one startup trial), so it is pruned at its first eval."""
     root = tmp_path_factory.mktemp("analysis")
     body = {"defaults": [{"override /hydra/sweeper": "kdsweep_optuna"}],
@@ -35,7 +36,7 @@ def sweep_dir(tmp_path_factory, zoo_dirs):
             "logger": {"progress_bar": False, "wandb": {"enabled": True, "mode": "offline"}},
             "checkpoint": {"save_every": 0, "export_adapter": False, "export_merged": False},
             "hydra": {"sweeper": {
-                "study_name": STUDY, "poll_s": 0.2, "n_trials": 4, "max_concurrent": 2, "sampler": "random",
+                "study_name": STUDY, "poll_s": 0.2, "n_trials": 4, "max_concurrent": 2, "workers": 2, "sampler": "random",
                 "seed": 0, "pruner": "median", "pruner_startup_trials": 1,
                 "params": {"kd_ratio": "interval(0.0,1.0)", "lr": "tag(log, interval(1e-7,3e-2))",
                            "lora_rank": "choice(4,8,16)"},
@@ -65,7 +66,8 @@ def test_one_row_per_trial_matching_the_manifest_the_study_and_the_records(sweep
         assert row["started"].timestamp() == pytest.approx(entry["started"])
         assert row["duration_s"] == pytest.approx(entry["ended"] - entry["started"])
         assert row["run_dir"] == entry["run_dir"] == str(sweep_dir / str(t.number))
-        assert row["pid"] == entry["job"]["pid"] and row["slurm_job_id"] is None
+        assert row["worker"] == entry["job"]["worker"] == record["environment"]["worker"]["name"]
+        assert row["slurm_job_id"] is None
         assert row["status"] == record["status"] and row["steps"] == record["steps"]
         assert row["wandb_run_id"] == record["wandb"]["id"]
         if t.state.name == "COMPLETE":

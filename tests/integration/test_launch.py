@@ -91,15 +91,17 @@ def crash_at_each_point_then_resume(tmp_path: Path, study: str, *args: str) -> P
 
 
 def test_a_controller_killed_while_launching_a_local_trial_runs_it_once(tmp_path, zoo_dirs):
-    """Killed at each point (before_launch, after_launch, after_write), resumed each time."""
+    """Killed at each point (before_launch, after_launch, after_write) of a trial's assignment to a warm worker (the
+    default), resumed each time."""
     sweep_dir = crash_at_each_point_then_resume(tmp_path, "crash")
     assert_each_trial_ran_once(sweep_dir, 4)
 
 
 @pytest.mark.usefixtures("slurm_cluster")
 def test_a_controller_killed_while_submitting_a_slurm_trial_runs_it_once(tmp_path, zoo_dirs):
-    """Killed at each point (before_launch, after_launch, after_write), resumed each time."""
-    sweep_dir = crash_at_each_point_then_resume(tmp_path, "slurm_crash", *SLURM)
+    """Killed at each point (before_launch, after_launch, after_write) of a trial job's submission (workers=0),
+    resumed each time."""
+    sweep_dir = crash_at_each_point_then_resume(tmp_path, "slurm_crash", *SLURM, "hydra.sweeper.workers=0")
     assert_each_trial_ran_once(sweep_dir, 4)
     jobs = {read_run(sweep_dir / str(n))["environment"]["slurm"]["job_id"] for n in range(4)}
     assert len(jobs) == 4  # one SLURM job per trial, never a second one for a trial a controller died launching
@@ -112,7 +114,7 @@ def test_a_trial_that_failed_while_no_controller_watched_keeps_its_reason(tmp_pa
     bad.write_text("".join('{"text": "in the beginning"}\n' for _ in range(149)) + '{"content": "x"}\n')
     os.environ[CRASH_AT] = "after_write:0"
     try:
-        sweep_dir, proc = tiny_sweep(tmp_path, "reason", "hydra.sweeper.n_trials=1", "data=text",
+        sweep_dir, proc = tiny_sweep(tmp_path, "reason", "hydra.sweeper.n_trials=1", "hydra.sweeper.workers=0", "data=text",
                                      f"data.datasets.0.path={bad}", "data.seq_len=16", "dist.nproc_per_node=2",
                                      check=False)
     finally:

@@ -120,7 +120,8 @@ def test_bad_rollout_input_is_one_line_before_anything_runs(case, instructions, 
 
 @pytest.mark.parametrize("launcher", ["local_workers", "slurm"])
 def test_a_sweep_over_lmbda_with_pruning_runs(launcher, instructions, tmp_path, request):
-    """Locally on 2 warm workers (its third trial runs warm, and equals its own process), on SLURM one job per trial."""
+    """Locally on 2 warm workers (its third trial runs warm, and equals its own process), on SLURM on the default
+    warm workers (one per slot)."""
     extra = ["hydra.sweeper.workers=2", "train.threads=1"]
     if launcher == "slurm":
         request.getfixturevalue("slurm_cluster")

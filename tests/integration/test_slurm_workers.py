@@ -1,9 +1,13 @@
 """Warm trial workers on the real local SLURM cluster: 6 trials on 2 worker jobs of 2 ranks; mid-trial, one worker is
 requeued (scontrol requeue: SIGTERM) and the other warned of its time limit (USR2, as SLURM does signal_delay_s
-before it): both checkpoint their trial, which resumes from there."""
+before it): both checkpoint their trial, which resumes from there. Then a third worker's rank 0 is killed (kill -9)
+mid-trial: its job ends at once (its other rank does not wait in a collective) and the trial resumes from its last
+checkpoint on another worker."""
 
 import hashlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -34,8 +38,8 @@ def test_six_trials_on_two_worker_jobs_and_a_requeued_or_warned_workers_trial_re
     args = search(tmp_path, "slurmwarm", {
         "n_trials": 6, "max_concurrent": 2, "workers": 2, "sampler": "random", "pruner": "none", "poll_s": 0.5,
         "params": {"kd_ratio": "choice(0.2,0.4,0.5,0.6,0.8)", "train.max_steps": "choice(4,24)"},
-        "enqueue": [{"kd_ratio": 0.5, "train.max_steps": 24}, {"kd_ratio": 0.5, "train.max_steps": 24},
-                    *({"kd_ratio": k, "train.max_steps": 4} for k in (0.2, 0.4, 0.6, 0.8))],
+        "enqueue": [*({"kd_ratio": 0.5, "train.max_steps": 24} for _ in range(3)),
+                    *({"kd_ratio": k, "train.max_steps": 4} for k in (0.2, 0.4, 0.6))],
     }, {"train": {"eval_every": 4}, "checkpoint": {"save_every": 4, "export_adapter": False, "export_merged": False}})
     cmd = [sys.executable, "-m", "kdsweep", *args, *ONE_THREAD, "hydra/launcher=submitit_slurm", "cluster=local_cpu",
            f"hydra.sweep.dir={sweep_dir}"]
@@ -46,13 +50,20 @@ def test_six_trials_on_two_worker_jobs_and_a_requeued_or_warned_workers_trial_re
                                      "kd_ratio=0.5", "train.max_steps=24", *ONE_THREAD, f"hydra.run.dir={reference}",
                                      cwd=tmp_path)
         deadline = time.time() + 300
-        jobs = {}
-        for trial, signal in (("0", ["scontrol", "requeue"]), ("1", ["scancel", "--signal=USR2"])):
+        jobs, killed = {}, {}
+
+        def kill_rank_0(job: str) -> None:  # trial 2's worker: its rank 0's process, on this machine
+            killed.update(name=manifest(sweep_dir)["trials"]["2"]["job"]["worker"])
+            state = json.loads((sweep_dir / "workers" / killed["name"] / "worker.json").read_text())
+            assert state["state"] == "busy" and state["trial"] == 2 and state["slurm"]["job_id"] == job, state
+            os.kill(state["pid"], signal.SIGKILL)
+
+        for trial, hit in (("0", ["scontrol", "requeue"]), ("1", ["scancel", "--signal=USR2"]), ("2", kill_rank_0)):
             while not past_step(sweep_dir / trial, 10):
                 assert time.time() < deadline and proc.poll() is None, f"trial {trial} did not reach step 10"
                 time.sleep(0.3)
             jobs[trial] = read_run(sweep_dir / trial)["environment"]["slurm"]["job_id"]
-            subprocess.run([*signal, jobs[trial]], check=True)
+            hit(jobs[trial]) if callable(hit) else subprocess.run([*hit, jobs[trial]], check=True)
         worker = manifest(sweep_dir)["trials"]["0"]["job"]["worker"]
         out, _ = proc.communicate(timeout=600)
         reference_done.result()
@@ -60,15 +71,17 @@ def test_six_trials_on_two_worker_jobs_and_a_requeued_or_warned_workers_trial_re
 
     trials = study(sweep_dir, "slurmwarm").trials
     assert [t.state.name for t in trials] == ["COMPLETE"] * 6
-    # every job of this sweep (its names end with the sweep's tag): 2 worker jobs, no trial's own job
+    # every job of this sweep (its names end with the sweep's tag): worker jobs only, no trial's own job; the one
+    # whose rank was killed FAILED (a replacement may have been started for it), the others left when it was over
     workers = jobs_named("-" + hashlib.sha1(str(sweep_dir.resolve()).encode()).hexdigest()[:8])
     launched = {json.loads(p.read_text())["slurm_job_id"] for p in (sweep_dir / "workers").glob("*/launch.json")}
-    assert set(workers) == launched and len(launched) == 2 and set(workers.values()) == {"COMPLETED"}, workers
+    assert set(workers) == launched and len(launched) in (2, 3), workers
+    assert workers.pop(jobs["2"]) == "FAILED" and set(workers.values()) == {"COMPLETED"}, workers
     entries = manifest(sweep_dir)["trials"]
     for n in range(6):  # each trial's directory as a trial job writes it, from a worker job of this sweep
         record = read_run(sweep_dir / str(n))
         assert record["status"] == "completed" and record["world_size"] == 2
-        assert record["environment"]["slurm"]["job_id"] in workers
+        assert record["environment"]["slurm"]["job_id"] in launched
         logs = subprocess.run([sys.executable, "-m", "kdsweep", "logs", str(sweep_dir), str(n)], capture_output=True,
                               text=True)
         assert logs.returncode == 0 and logs.stdout.count("held-out CE after") == 1, logs.stdout[-2000:]
@@ -83,5 +96,11 @@ def test_six_trials_on_two_worker_jobs_and_a_requeued_or_warned_workers_trial_re
         assert f"received {word}" in (sweep_dir / trial / "kdsweep.log").read_text()
         assert [r["step"] for r in read_metrics(sweep_dir / trial) if r["kind"] == "train"] == list(range(1, 25))
         assert record["objective"] == pytest.approx(read_run(reference)["objective"], abs=1e-5)
+    # the killed worker's trial: another attempt, from its last checkpoint (every 4 steps), on another worker
+    record = read_run(sweep_dir / "2")
+    assert entries["2"]["attempts"] == 2 and entries["2"]["job"]["worker"] != killed["name"]
+    assert 8 <= record["start_step"] < 24 and record["start_step"] % 4 == 0, record["start_step"]
+    assert [r["step"] for r in read_metrics(sweep_dir / "2") if r["kind"] == "train"] == list(range(1, 25))
+    assert record["objective"] == pytest.approx(read_run(reference)["objective"], abs=1e-5)
     status = kdsweep("status", str(sweep_dir), cwd=tmp_path).stdout
     assert f"worker {worker} (slurm {jobs['0']}" in status

@@ -112,13 +112,14 @@ def test_a_failing_trial_is_fail_with_its_reason_and_the_sweep_goes_on(tmp_path_
 
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory, zoo_dirs):
-    """A 4-trial sweep whose controller was killed (kill -9) once a trial had completed while another ran, then
+    """A 4-trial sweep of one job per trial (workers=0; test_workers kills one with busy workers) whose controller
+    was killed (kill -9) once a trial had completed while another ran, then
     resumed (`kdsweep resume`): what the manifest held then, and the resume's run. The changed-space test below
     reruns its command too."""
     tmp_path = tmp_path_factory.mktemp("resume")
     sweep_dir = tmp_path / "sweep"
     args = search(tmp_path, "resume", {
-        "n_trials": 4, "max_concurrent": 2, "sampler": "tpe", "seed": 3, "pruner": "none",
+        "n_trials": 4, "max_concurrent": 2, "workers": 0, "sampler": "tpe", "seed": 3, "pruner": "none",
         "params": {"kd_ratio": "interval(0.0,1.0)"},
     }, {"train": {"eval_every": 4, "max_steps": 8}})
     cmd = [sys.executable, "-m", "kdsweep", *args, f"hydra.sweep.dir={sweep_dir}"]

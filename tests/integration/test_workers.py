@@ -236,3 +236,34 @@ def test_workers_that_cannot_start_stop_the_sweep_with_one_line(tmp_path, zoo_di
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 2 and last.startswith("kdsweep: error: no trial worker could start"), proc.stderr[-2000:]
     assert "train.device=cuda but no CUDA device" in last and "worker.log" in last
+
+
+def test_a_trial_invalid_for_the_workers_model_or_data_fails_in_one_line_and_the_worker_goes_on(tmp_path, zoo_dirs):
+    """On one worker: a LoRA target the student lacks, then a seq_len the data cannot fill, each refused in its own
+    one line as its trial's reason (the sweep's up-front checks read neither the zoo student nor the tokens); the
+    worker runs the next trial, warm."""
+    text = tmp_path / "short.jsonl"  # a few hundred tokens: rows of 32 fill both splits, rows of 512 cannot
+    text.write_text("".join(json.dumps({"text": f"in the beginning was the word number {i}"}) + "\n" for i in range(60)))
+    args = search(tmp_path, "refused", {
+        "n_trials": 4, "max_concurrent": 1, "workers": 1, "sampler": "random", "pruner": "none",
+        "params": {"model.target_modules": "choice(all-linear,nope)", "data.seq_len": "choice(32,512)"},
+        "enqueue": [{"model.target_modules": "all-linear", "data.seq_len": 32},
+                    {"model.target_modules": "nope", "data.seq_len": 32},
+                    {"model.target_modules": "all-linear", "data.seq_len": 512},
+                    {"model.target_modules": "all-linear", "data.seq_len": 32}],
+    }, {"train": {"max_steps": 2}})
+    sweep_dir = tmp_path / "sweep"
+    data = ["data=text", f"data.datasets.0.path={text}", "data.eval_fraction=0.2", "data.seq_len=32",
+            "data.batch_size=4", "data.micro_batch_size=2"]
+    proc = kdsweep(*args, *data, "train.threads=1", *QUIET,
+                   f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path, timeout=600)
+    trials = study(sweep_dir, "refused").trials
+    assert [t.state.name for t in trials] == ["COMPLETE", "FAIL", "FAIL", "COMPLETE"], proc.stdout[-2000:]
+    for number, words, fix in ((1, "model.target_modules: LlamaForCausalLM has no module named nope", "use a preset"),
+                               (2, "data: the eval split makes no rows of data.seq_len=512", "pass data.seq_len=")):
+        reason = trials[number].user_attrs["reason"]  # the job's one line, or the error its run.json recorded
+        assert "\n" not in reason and words in reason and fix in reason, reason
+    entries = manifest(sweep_dir)["trials"]
+    assert {e["job"]["worker"] for e in entries.values()} == {"w0"} and all(e["attempts"] == 1 for e in entries.values())
+    assert read_run(sweep_dir / "3")["environment"]["worker"] == {"name": "w0", "trials_before": 3, "start": "warm"}
+    assert json.loads((sweep_dir / "workers" / "w0" / "worker.json").read_text())["trials_run"] == 4

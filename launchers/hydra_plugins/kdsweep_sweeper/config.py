@@ -25,7 +25,7 @@ class KdsweepOptunaConf:
     poll_s: float = 0.5
     enqueue: List[Any] = field(default_factory=list)
     params: Dict[str, str] = field(default_factory=dict)
-    workers: int = 0
+    workers: Optional[int] = None
     worker_idle_s: float = 600.0
 
 

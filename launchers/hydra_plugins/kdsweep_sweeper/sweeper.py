@@ -57,9 +57,11 @@ class KdsweepOptunaSweeper(Sweeper):
                                 teacher_cache=first.teacher.logits == "cache")
         controller.manifest.data["command"] = [redact(a) for a in sys.argv[1:]]  # never a password on disk
         controller.manifest.save()
-        log.info("sweep %s: study %s on %s, %d trials, %d at a time, sampler %s, pruner %s", sweep_dir,
+        log.info("sweep %s: study %s on %s, %d trials, %d at a time (%s), sampler %s, pruner %s", sweep_dir,
                  settings.study_name, redact(settings.storage) or "sqlite (sweep dir)", settings.n_trials,
-                 settings.max_concurrent, settings.sampler, settings.pruner)
+                 settings.max_concurrent,
+                 f"{settings.pool_size} warm workers" if settings.pool_size else "one job per trial",
+                 settings.sampler, settings.pruner)
         manifest = controller.run()
         print("\n".join([f"sweep {sweep_dir} (study {settings.study_name}):", *summary_lines(manifest)]), flush=True)
         return manifest
@@ -73,10 +75,13 @@ class KdsweepOptunaSweeper(Sweeper):
         from kdsweep.sweep.workers import LocalStarter, WorkerPool
 
         launcher = str(OmegaConf.select(self.config, "hydra.launcher._target_", default=""))
-        size = min(settings.workers, settings.max_concurrent)
-        if settings.workers > settings.max_concurrent:
+        size = settings.pool_size
+        if settings.workers is not None and settings.workers > settings.max_concurrent:
             log.warning("hydra.sweeper.workers=%d but max_concurrent=%d: %d workers run the trials",
                         settings.workers, settings.max_concurrent, size)
+        if settings.workers is None and not size:
+            log.info("one job per trial: the search changes %s, which a warm worker cannot (hydra.sweeper.workers)",
+                     ", ".join(settings.reshaping_keys()))
         spec = {"nproc": first.dist.nproc_per_node, "device": first.train.device, "timeout_s": first.dist.timeout_s,
                 "master_addr": first.dist.master_addr, "idle_s": settings.worker_idle_s}
         if launcher.endswith(".BasicLauncher"):

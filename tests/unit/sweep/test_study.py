@@ -44,10 +44,24 @@ def test_space_mistakes_are_one_line(params, message):
     ("pruner", "sometimes", "hydra.sweeper.pruner='sometimes' is unknown"),
     ("max_concurrent", 0, "hydra.sweeper.max_concurrent=0"),
     ("directions", ("minimize", "minimize"), "directions"),
+    ("workers", -1, "hydra.sweeper.workers=-1 must be >= 0"),
 ])
 def test_settings_mistakes(field, value, message):
     with pytest.raises(ConfigError, match=message):
         S.SweepSettings(**{field: value})
+
+
+@pytest.mark.parametrize("workers,params,enqueue,size", [
+    (None, {"kd_ratio": "interval(0.0,1.0)"}, (), 3),  # the default: one warm worker per slot
+    (None, {"dist.nproc_per_node": "choice(1,2)"}, (), 0),  # a searched worker shape: one job per trial
+    (None, {"lr": "interval(0.001,0.01)"}, ({"lr": 0.01, "train.device": "cpu"},), 0),  # or an enqueued one
+    (0, {"kd_ratio": "interval(0.0,1.0)"}, (), 0),
+    (2, {"kd_ratio": "interval(0.0,1.0)"}, (), 2),
+    (5, {"kd_ratio": "interval(0.0,1.0)"}, (), 3),  # never more workers than slots
+])
+def test_how_many_warm_workers_run_the_trials(workers, params, enqueue, size):
+    settings = S.SweepSettings(workers=workers, max_concurrent=3, params=params, enqueue=enqueue)
+    assert settings.pool_size == size
 
 
 def test_passwords_are_redacted():
