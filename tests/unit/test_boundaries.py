@@ -29,6 +29,8 @@ def imported_after(statement: str) -> set[str]:
         ("kdsweep.distributed.signals", {"hydra", "omegaconf", "submitit", "optuna"}),
         ("kdsweep.sweep.space", {"torch", "optuna"}),
         ("kdsweep.losses", {"hydra", "omegaconf", "transformers", "peft", "kdsweep.config"}),
+        ("kdsweep.losses.cross_tokenizer", {"hydra", "omegaconf", "transformers", "tokenizers", "kdsweep.config"}),
+        ("kdsweep.teacher.align", {"torch", "transformers", "tokenizers", "hydra", "omegaconf"}),
     ],
 )
 def test_module_does_not_import(module, forbidden):

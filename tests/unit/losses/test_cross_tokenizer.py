@@ -1,0 +1,156 @@
+"""Cross-tokenizer KD terms (kdsweep.losses.cross_tokenizer) against an independent float64 reference written with
+plain Python numbers: merged span distributions by the chain rule, ULD by sorted lists, GOLD's matched and
+unmatched parts by explicit sums; the identity case (one vocabulary, one-token spans) is the same-tokenizer
+divergence; gradients by finite differences (gradcheck)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from helpers import one_thread  # noqa: F401  (autouse: tiny tensors run fastest on one thread)
+from kdsweep.losses import DIVERGENCES, divergence_per_token, log_probs
+from kdsweep.losses.cross_tokenizer import VocabMap, gold, log1mexp, merge, uld
+
+VS, VT = 7, 9
+PAIRS = [(0, 2), (1, 0), (3, 3), (4, 8)]  # (student id, teacher id): the strings both vocabularies hold
+
+
+def rand(*shape, seed=0, scale=2.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * scale
+
+
+def probs(row) -> list[float]:
+    m = max(row)
+    e = [math.exp(x - m) for x in row]
+    return [x / sum(e) for x in e]
+
+
+def ref_merged(rows, tokens) -> list[float]:
+    """A span's merged distribution from its positions' logits ``rows`` and the span's later tokens: the first
+    position's distribution times Π p_j(next token) over the later positions, and rest = 1 − that product."""
+    first = probs(rows[0])
+    c = 1.0
+    for row, token in zip(rows[1:], tokens):
+        c *= probs(row)[token]
+    return [p * c for p in first] + [1.0 - c]
+
+
+def ref_sorted_l1(p, q) -> float:
+    a, b = sorted(p, reverse=True), sorted(q, reverse=True)
+    n = max(len(a), len(b))
+    a, b = a + [0.0] * (n - len(a)), b + [0.0] * (n - len(b))
+    return sum(abs(x - y) for x, y in zip(a, b))
+
+
+def ref_divergence(name, p, q, beta=0.5) -> float:
+    """D(teacher p, student q) over the same outcomes, plain floats (0·log 0 = 0)."""
+    def kl(a, b):
+        return sum(x * math.log(x / y) for x, y in zip(a, b) if x > 0)
+    if name == "forward_kl":
+        return kl(p, q)
+    if name == "reverse_kl":
+        return kl(q, p)
+    if name in ("jsd", "jsd_normalized"):
+        m = [beta * x + (1 - beta) * y for x, y in zip(p, q)]
+        value = beta * kl(p, m) + (1 - beta) * kl(q, m)
+        return value / (beta * (1 - beta)) if name == "jsd_normalized" else value
+    if name == "tvd":
+        return 0.5 * sum(abs(x - y) for x, y in zip(p, q))
+    return (1 - beta) * kl(p, q) + beta * kl(q, p)
+
+
+def ref_gold(p, q, pairs, divergence, beta, w_m, w_u) -> float:
+    """p: teacher merged [VT + 1], q: student merged [VS + 1] (the last entry: rest)."""
+    s_shared, t_shared = [a for a, _ in pairs], [b for _, b in pairs]
+    q_only = [q[i] for i in range(VS) if i not in s_shared] + [q[VS]]
+    p_only = [p[i] for i in range(VT) if i not in t_shared] + [p[VT]]
+    coarse_q = [q[a] for a in s_shared] + [sum(q_only)]
+    coarse_p = [p[b] for b in t_shared] + [sum(p_only)]
+    return w_m * ref_divergence(divergence, coarse_p, coarse_q, beta) + w_u * ref_sorted_l1(q_only, p_only)
+
+
+def spans_case(seed):
+    """Three spans: one student token to two teacher tokens, two student tokens to one teacher token, 1:1."""
+    s_logits, t_logits = rand(5, VS, seed=seed), rand(5, VT, seed=seed + 100)
+    s_tokens, t_tokens = [2, 5, 1, 0, 4], [1, 7, 3, 0, 2]  # the tokens each position's model is asked to predict
+    s_spans, t_spans = [(0, 1), (1, 3), (3, 4)], [(0, 2), (2, 3), (3, 4)]
+    return s_logits, t_logits, s_tokens, t_tokens, s_spans, t_spans
+
+
+def merged_of(logits, tokens, spans, temperature=1.0):
+    """The library's merge of each span: the first position's log-probs and the log-probability of the span's later
+    tokens, read from the positions that predict them."""
+    lp = log_probs(logits, temperature)
+    heads = torch.stack([lp[a] for a, _ in spans])
+    cont = torch.stack([sum((lp[k, tokens[k]] for k in range(a + 1, b)), lp.new_zeros(())) for a, b in spans])
+    return merge(heads, cont)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_merged_span_distributions_match_the_chain_rule(seed):
+    s_logits, t_logits, s_tokens, t_tokens, s_spans, t_spans = spans_case(seed)
+    for logits, tokens, spans in ((s_logits, s_tokens, s_spans), (t_logits, t_tokens, t_spans)):
+        got = merged_of(logits, tokens, spans).exp()
+        for row, (a, b) in zip(got, spans):
+            expected = ref_merged(logits[a:b].tolist(), tokens[a + 1:b])
+            assert row.tolist() == pytest.approx(expected, abs=1e-12)
+            assert row.sum().item() == pytest.approx(1.0, abs=1e-12)
+    assert log1mexp(torch.tensor([0.0])).item() == -math.inf
+    x = torch.tensor([-1e-10, -0.5, -30.0], dtype=torch.float64)
+    assert log1mexp(x).tolist() == pytest.approx([math.log(-math.expm1(v)) for v in x.tolist()], rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_uld_is_the_sorted_l1_of_the_merged_distributions(seed):
+    s_logits, t_logits, s_tokens, t_tokens, s_spans, t_spans = spans_case(seed)
+    got = uld(merged_of(s_logits, s_tokens, s_spans), merged_of(t_logits, t_tokens, t_spans))
+    for value, (sa, sb), (ta, tb) in zip(got.tolist(), s_spans, t_spans):
+        q = ref_merged(s_logits[sa:sb].tolist(), s_tokens[sa + 1:sb])
+        p = ref_merged(t_logits[ta:tb].tolist(), t_tokens[ta + 1:tb])
+        assert value == pytest.approx(ref_sorted_l1(q, p), abs=1e-12)
+
+
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+@pytest.mark.parametrize("weights", [(None, None), (0.7, 0.2)])
+def test_gold_matches_the_reference(divergence, weights):
+    s_logits, t_logits, s_tokens, t_tokens, s_spans, t_spans = spans_case(3)
+    vocab = VocabMap.of(PAIRS, VS, VT)
+    w_m, w_u = weights
+    got = gold(merged_of(s_logits, s_tokens, s_spans), merged_of(t_logits, t_tokens, t_spans), vocab, divergence,
+               beta=0.3, w_matched=w_m, w_unmatched=w_u)
+    w_m, w_u = (len(PAIRS) / VT, 1 - len(PAIRS) / VT) if w_m is None else (w_m, w_u)
+    for value, (sa, sb), (ta, tb) in zip(got.tolist(), s_spans, t_spans):
+        q = ref_merged(s_logits[sa:sb].tolist(), s_tokens[sa + 1:sb])
+        p = ref_merged(t_logits[ta:tb].tolist(), t_tokens[ta + 1:tb])
+        assert value == pytest.approx(ref_gold(p, q, PAIRS, divergence, 0.3, w_m, w_u), abs=1e-10, rel=1e-10)
+
+
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_one_vocabulary_and_one_token_spans_give_the_same_tokenizer_divergence(divergence, dtype):
+    s_logits, t_logits = rand(6, VS, seed=5).to(dtype), rand(6, VS, seed=6).to(dtype)
+    log_q, log_p = log_probs(s_logits, 2.0), log_probs(t_logits, 2.0)
+    zero = torch.zeros(6, dtype=dtype)
+    identity = VocabMap.of([(i, i) for i in range(VS)], VS, VS)
+    got = gold(merge(log_q, zero), merge(log_p, zero), identity, divergence, beta=0.4)
+    expected = divergence_per_token(divergence, log_q, log_p, beta=0.4)
+    assert torch.allclose(got.to(torch.float64), expected.to(torch.float64), rtol=1e-6, atol=1e-7)
+    assert torch.isfinite(got).all()
+
+
+@pytest.mark.parametrize("loss", ["gold", "uld"])
+def test_gradients_match_finite_differences(loss):
+    _, t_logits, s_tokens, t_tokens, s_spans, t_spans = spans_case(7)
+    teacher = merged_of(t_logits, t_tokens, t_spans, temperature=1.5)
+    vocab = VocabMap.of(PAIRS, VS, VT)
+
+    def kd(student_logits):
+        student = merged_of(student_logits, s_tokens, s_spans, temperature=1.5)
+        if loss == "uld":
+            return uld(student, teacher).sum()
+        return gold(student, teacher, vocab, "jsd", beta=0.5).sum()
+
+    assert torch.autograd.gradcheck(kd, (rand(5, VS, seed=8).requires_grad_(),), eps=1e-6, atol=1e-6)
