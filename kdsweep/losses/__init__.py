@@ -21,6 +21,7 @@ from kdsweep.losses.kd import (
     forward_kl_sum,
     kd_loss_sums,
     split_chunks,
+    split_like,
 )
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "log_probs",
     "reverse_kl",
     "split_chunks",
+    "split_like",
     "symmetric_kl",
     "temperature_factor",
     "total_variation",

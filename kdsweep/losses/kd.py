@@ -48,6 +48,12 @@ def split_chunks(num_chunks: int, *tensors: torch.Tensor) -> list[tuple[torch.Te
     return list(zip(*pieces))
 
 
+def split_like(targets: Targets, num_chunks: int, *tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    """Split the student's token tensors into the chunks ``targets.split(num_chunks)`` makes (``targets.cuts``): the
+    even split of :func:`split_chunks`, or one that keeps a cross-tokenizer span inside one chunk."""
+    return list(zip(*(torch.split(t, targets.cuts(num_chunks), dim=0) for t in tensors)))
+
+
 def align_vocab(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Cut both ``[..., V]`` tensors to the smaller vocabulary.
 
@@ -137,7 +143,7 @@ def kd_loss_sums(
     ce = s.new_zeros((), dtype=torch.float32)
     kd = s.new_zeros((), dtype=torch.float32)
     kl = s.new_zeros((), dtype=torch.float32)
-    for (s_c, y_c), t_c in zip(split_chunks(num_chunks, s, y), targets.split(num_chunks)):
+    for (s_c, y_c), t_c in zip(split_like(targets, num_chunks, s, y), targets.split(num_chunks)):
         s_c = s_c[..., : min(s_c.shape[-1], t_c.vocab)]
         valid = valid_mask(y_c, ignore_index)
         log_p_s = log_probs(s_c, temperature)

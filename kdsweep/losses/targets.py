@@ -1,6 +1,7 @@
 """What the teacher gives the loss for N tokens: its logits, or what a teacher-logit cache kept of them.
 
-Three kinds, each split into token chunks by the same rule as the student's logits (:func:`split_chunks`):
+Three kinds here (and :class:`~kdsweep.losses.aligned.Aligned`, a cross-tokenizer teacher's), each split into token
+chunks of the lengths its ``cuts`` gives, by which the student's logits are split too (:func:`~kdsweep.losses.kd.split_like`):
 
 - :class:`Logits` — every logit (a live teacher, or ``teacher.cache.method=full``). **Exact**: every divergence,
   at any temperature.
@@ -34,10 +35,17 @@ SAMPLED_DIVERGENCES = ("forward_kl",)
 """The divergences the ``sample`` method can estimate without bias."""
 
 
+def chunk_sizes(n: int, num_chunks: int) -> list[int]:
+    """The lengths of :func:`~kdsweep.losses.kd.split_chunks`' pieces of ``n`` tokens: ``min(num_chunks, n)`` nearly
+    equal parts (at least one), the longer ones first (``torch.tensor_split``'s rule)."""
+    k = min(num_chunks, max(n, 1))
+    return [n // k + (1 if i < n % k else 0) for i in range(k)]
+
+
 def _split(n: int, num_chunks: int, *tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
     """The token split of :func:`~kdsweep.losses.kd.split_chunks` (kept identical: one rule for every tensor)."""
-    pieces = [torch.tensor_split(t, min(num_chunks, max(n, 1)), dim=0) for t in tensors]
-    return list(zip(*pieces))
+    sizes = chunk_sizes(n, num_chunks)
+    return list(zip(*(torch.split(t, sizes, dim=0) for t in tensors)))
 
 
 @dataclass
@@ -58,6 +66,10 @@ class Logits:
 
     def __len__(self) -> int:
         return (self.logits if self.logits is not None else self.hidden).shape[0]
+
+    def cuts(self, num_chunks: int) -> list[int]:
+        """The token lengths of :meth:`split`'s chunks (the student's logits are split the same way)."""
+        return chunk_sizes(len(self), num_chunks)
 
     def split(self, num_chunks: int) -> list["Logits"]:
         if self.logits is not None:
@@ -110,6 +122,9 @@ class _Sparse:
     @property
     def kl_temperature(self) -> float:
         return self.temperature
+
+    def cuts(self, num_chunks: int) -> list[int]:
+        return chunk_sizes(len(self), num_chunks)
 
     def split(self, num_chunks: int) -> list["_Sparse"]:
         names = [f.name for f in fields(self) if f.name not in ("temperature", "vocab")]

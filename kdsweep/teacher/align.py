@@ -9,9 +9,10 @@ or the reverse). Tokens that are not content are never aligned with the other si
 
 Boundaries are compared after moving each token's end left over whitespace (``snap``), so leading-space
 conventions agree: ``Ġword`` (byte-level BPE, the space in the token) and ``▁word`` (SentencePiece) end where
-``word`` ends, and a token made only of whitespace joins the span before it. Tokens that end at or before the
-boundary a span just closed (the second byte of a multi-byte character split into byte tokens, byte-fallback
-tokens that each report the whole character) join that span too. A span that never closes (the sequence was cut
+``word`` ends; a token made only of whitespace is a span of its own where the other side has one too (two equal
+tokenizations give one-token spans throughout), else it joins the span after it. Tokens that end within what a
+span just closed holds (the second byte of a multi-byte character split into byte tokens, byte-fallback tokens
+that each report the whole character) join that span too. A span that never closes (the sequence was cut
 inside it) is left out, and so are the tokens after the last closed span: :attr:`Alignment.unaligned` counts them.
 A span never closes where a token of either side crosses its boundary (a byte-level token holding the last byte of
 one character and the first of the next): the two characters are one span then.
@@ -50,9 +51,13 @@ class Alignment:
     """Content tokens (student, teacher) in no span: inside a span the sequence cut, or after the last one."""
 
 
+SPACE = frozenset(" \t\n\r\f\v")
+"""What counts as whitespace: ASCII's only (in byte coordinates, 0x85 and 0xA0 are parts of UTF-8 characters)."""
+
+
 def snap(text: str, position: int) -> int:
     """``position`` moved left over whitespace: where the non-space content before it ends."""
-    while position > 0 and text[position - 1].isspace():
+    while position > 0 and text[position - 1] in SPACE:
         position -= 1
     return position
 
@@ -69,36 +74,36 @@ def align_spans(text: str, student: Sequence[Offset], teacher: Sequence[Offset])
     non-space characters (one side's tokenizer changed the text: lossy normalisation)."""
     s_idx, t_idx = _content(student), _content(teacher)
     s_start, t_start = [student[k][0] for k in s_idx], [teacher[k][0] for k in t_idx]
-    s_end = [snap(text, student[k][1]) for k in s_idx]
-    t_end = [snap(text, teacher[k][1]) for k in t_idx]
+    s_raw, t_raw = [student[k][1] for k in s_idx], [teacher[k][1] for k in t_idx]
+    s_end, t_end = [snap(text, e) for e in s_raw], [snap(text, e) for e in t_raw]
     ns, nt = len(s_idx), len(t_idx)
     spans: list[Span] = []
     i = j = 0  # next content token of each side
     while i < ns and j < nt:
         i0, j0 = i, j
-        si, tj = s_end[i], t_end[j]
+        si, tj, s_far, t_far = s_end[i], t_end[j], s_raw[i], t_raw[j]
         i, j = i + 1, j + 1
         while True:
             while si != tj:  # advance the side that ends first until both end at one boundary
                 if si < tj and i < ns:
-                    si, i = max(si, s_end[i]), i + 1
+                    si, s_far, i = max(si, s_end[i]), max(s_far, s_raw[i]), i + 1
                 elif tj < si and j < nt:
-                    tj, j = max(tj, t_end[j]), j + 1
+                    tj, t_far, j = max(tj, t_end[j]), max(t_far, t_raw[j]), j + 1
                 else:
                     break
             if si != tj:
                 break
-            while i < ns and s_end[i] <= si:  # tokens that end at the boundary (bytes of one character)
+            while i < ns and s_raw[i] <= s_far:  # tokens within what the span holds (bytes of one character)
                 i += 1
-            while j < nt and t_end[j] <= si:
+            while j < nt and t_raw[j] <= t_far:
                 j += 1
             straddles = (i < ns and s_start[i] < si, j < nt and t_start[j] < si)  # a byte token across it
             if not any(straddles):
                 break
             if straddles[0]:
-                si, i = max(si, s_end[i]), i + 1
+                si, s_far, i = max(si, s_end[i]), max(s_far, s_raw[i]), i + 1
             if straddles[1]:
-                tj, j = max(tj, t_end[j]), j + 1
+                tj, t_far, j = max(tj, t_end[j]), max(t_far, t_raw[j]), j + 1
         if si != tj:  # the sequence ends inside this span: it never closes
             i, j = i0, j0
             break
@@ -112,7 +117,7 @@ def _check_same_text(text: str, student: Sequence[Offset], teacher: Sequence[Off
                      t_idx: list[int]) -> None:
     """The aligned tokens of both sides cover the same non-space characters."""
     def covered(offsets: Sequence[Offset], idx: list[int]) -> set[int]:
-        return {c for i in idx for c in range(*offsets[i]) if not text[c].isspace()}
+        return {c for i in idx for c in range(*offsets[i]) if text[c] not in SPACE}
 
     only_s, only_t = covered(student, s_idx) - covered(teacher, t_idx), covered(teacher, t_idx) - covered(student, s_idx)
     if only_s or only_t:

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from kdsweep.losses import LossSums, kd_loss_sums, split_chunks
+from kdsweep.losses import LossSums, kd_loss_sums, split_like
 from kdsweep.losses.targets import Targets
 from kdsweep.models.heads import forward_replaced, output_layer, projection
 
@@ -63,7 +63,7 @@ def fused_loss_sums(
         h_s = hidden.reshape(-1, hidden.shape[-1])
         stats = h_s.new_zeros(3, dtype=torch.float32)  # Σce, Σkd, Σkl
         grad_h, grad_p = [], [torch.zeros_like(p, dtype=torch.float32) for p in params]  # fp32 sums
-        for (hs_c, y_c), t_c in zip(split_chunks(num_chunks, h_s, y), targets.split(num_chunks)):
+        for (hs_c, y_c), t_c in zip(split_like(targets, num_chunks, h_s, y), targets.split(num_chunks)):
             with torch.enable_grad():
                 hs_c = hs_c.detach().requires_grad_()
                 sums = kd_loss_sums(student_head(hs_c), t_c, y_c, num_chunks=1, **loss_kwargs)

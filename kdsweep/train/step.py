@@ -10,7 +10,7 @@ from torch import nn
 from kdsweep.config.schema import LossConfig
 from kdsweep.data.batch import Batch
 from kdsweep.distributed import DistEnv
-from kdsweep.losses import LossSums, cross_entropy_sum, kd_loss_sums, log_probs, split_chunks
+from kdsweep.losses import LossSums, cross_entropy_sum, kd_loss_sums, log_probs, split_like
 from kdsweep.losses.targets import Targets
 from kdsweep.models.heads import final_hidden, frozen_projection
 from kdsweep.teacher.source import TeacherSource
@@ -59,13 +59,14 @@ def _eval_chunks(student: nn.Module, targets: Targets, batch: Batch, num_chunks:
     y = batch.labels.reshape(-1)
     if not fused:
         s_logits = student(**batch.inputs()).logits
-        for (s_c, y_c), t_c in zip(split_chunks(num_chunks, s_logits.reshape(-1, s_logits.shape[-1]), y),
+        for (s_c, y_c), t_c in zip(split_like(targets, num_chunks, s_logits.reshape(-1, s_logits.shape[-1]), y),
                                    targets.split(num_chunks)):
             yield s_c, t_c, y_c
         return
     h_s = final_hidden(student, batch.inputs())
     with frozen_projection(student) as head_s:  # frozen here
-        for (hs_c, y_c), t_c in zip(split_chunks(num_chunks, h_s.reshape(-1, h_s.shape[-1]), y), targets.split(num_chunks)):
+        for (hs_c, y_c), t_c in zip(split_like(targets, num_chunks, h_s.reshape(-1, h_s.shape[-1]), y),
+                                    targets.split(num_chunks)):
             yield head_s(hs_c), t_c, y_c
 
 

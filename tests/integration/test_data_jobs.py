@@ -101,9 +101,10 @@ def test_a_packed_weighted_mix_trains_the_same_on_one_and_two_ranks(data_dir, tm
 
 
 def test_the_second_trial_of_a_sweep_reuses_the_tokenization_cache(data_dir, tmp_path):
+    """Two trial jobs (workers=0: a warm worker keeps the rows in memory instead, test_workers) share the cache."""
     sweep_dir = tmp_path / "sweep"
-    args = search(tmp_path, "cache", {"n_trials": 2, "max_concurrent": 1, "sampler": "random", "pruner": "none",
-                                      "params": {"kd_ratio": "choice(0.3,0.7)"}})
+    args = search(tmp_path, "cache", {"n_trials": 2, "max_concurrent": 1, "workers": 0, "sampler": "random",
+                                      "pruner": "none", "params": {"kd_ratio": "choice(0.3,0.7)"}})
     kdsweep(*args, *mix_args(data_dir, tmp_path / "cache"), f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path)
     logs = [(sweep_dir / str(n) / "kdsweep.log").read_text() for n in (0, 1)]
     built = re.search(r"data: tokenized and cached in (\S+) in ([\d.]+) s", logs[0])

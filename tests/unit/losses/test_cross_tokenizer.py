@@ -154,3 +154,87 @@ def test_gradients_match_finite_differences(loss):
         return gold(student, teacher, vocab, "jsd", beta=0.5).sum()
 
     assert torch.autograd.gradcheck(kd, (rand(5, VS, seed=8).requires_grad_(),), eps=1e-6, atol=1e-6)
+
+
+# -- the targets on the student's positions (kdsweep.losses.aligned, built by kdsweep.teacher.cross) ---------------
+
+from kdsweep.losses import kd_loss_sums  # noqa: E402
+from kdsweep.losses.targets import Logits  # noqa: E402
+from kdsweep.teacher.align import Span  # noqa: E402
+from kdsweep.teacher.cross import aligned_targets  # noqa: E402
+
+B, T, IGNORE = 2, 7, -100
+
+
+def rows(seed, vocab):
+    ids = torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
+    labels = torch.cat([ids[:, 1:], torch.full((B, 1), IGNORE)], dim=1)
+    labels[0, 1] = IGNORE  # a prompt token: not trained
+    return ids, labels
+
+
+def test_one_tokenizer_through_the_cross_tokenizer_path_gives_the_same_tokenizer_loss():
+    ids, labels = rows(0, VS)
+    s_logits, t_logits = rand(B, T, VS, seed=1), rand(B, T, VS, seed=2)
+    spans = [[Span((a, a + 1), (a, a + 1), (a, a + 1)) for a in range(T)] for _ in range(B)]
+    identity = VocabMap.of([(i, i) for i in range(VS)], VS, VS)
+    for divergence in DIVERGENCES:
+        built = aligned_targets(spans, ids, labels, ids, t_logits, ignore_index=IGNORE, student_vocab=VS, loss="gold",
+                                vocab_map=identity, kl_divergence="forward_kl")
+        assert built.dropped == 0 and built.spans == int((labels != IGNORE).sum())
+        for chunks in (1, 3):
+            kw = dict(divergence=divergence, beta=0.3, temperature=1.5, ignore_index=IGNORE, num_chunks=chunks)
+            got = kd_loss_sums(s_logits, built.targets, labels, **kw)
+            want = kd_loss_sums(s_logits, Logits(logits=t_logits), labels, **kw)
+            for a, b in zip(got, want):
+                assert a.item() == pytest.approx(b.item(), rel=1e-9, abs=1e-12), divergence
+    valid = (labels != IGNORE).reshape(-1)
+    tce = built.targets.teacher_ce(labels.reshape(-1), VS, IGNORE)
+    want = Logits(logits=t_logits).teacher_ce(labels.reshape(-1), VS, IGNORE)
+    assert torch.allclose(tce[valid], want[valid]) and (tce[~valid] == 0).all()
+
+
+def cross_case():
+    """Row 0: student tokens 0 | 1 2 | 3 | 4 5 6 against teacher tokens 0 | 1 | 2 3 | 4 5 (spans 1:1, 2:1, 1:2, 3:2);
+    row 1: one span cut by the untrained position 1 (dropped), the others 1:1."""
+    ids, labels = rows(3, VS)
+    labels[0, 1], labels[1, 1] = ids[0, 2], IGNORE  # row 0 fully trained; row 1's position 1 not
+    t_ids = torch.randint(0, VT, (B, 6), generator=torch.Generator().manual_seed(4))
+    spans = [[Span((0, 1), (0, 1), (0, 1)), Span((1, 3), (1, 2), (1, 3)), Span((3, 4), (2, 4), (3, 4)),
+              Span((4, 7), (4, 6), (4, 7))],
+             [Span((0, 1), (0, 1), (0, 1)), Span((1, 3), (1, 3), (1, 3)), Span((3, 4), (3, 4), (3, 4)),
+              Span((4, 5), (4, 5), (4, 5)), Span((5, 6), (5, 6), (5, 6))]]
+    return ids, labels, t_ids, rand(B, 6, VT, seed=5), spans
+
+
+@pytest.mark.parametrize("loss", ["gold", "uld"])
+def test_span_targets_match_the_reference_and_no_chunking_changes_them(loss):
+    ids, labels, t_ids, t_logits, spans = cross_case()
+    built = aligned_targets(spans, ids, labels, t_ids, t_logits, ignore_index=IGNORE, student_vocab=VS, loss=loss,
+                            vocab_map=VocabMap.of(PAIRS, VS, VT))
+    assert built.spans == 6 and built.dropped == 1  # row 1's span over the untrained position 1
+    s_logits = rand(B, T, VS, seed=6)
+    flat_s, flat_t = s_logits.reshape(-1, VS), t_logits.reshape(-1, VT)
+    expected = 0.0
+    for b, row in enumerate(spans):
+        for span in row:
+            (a, e), (c, d) = span.student, span.teacher
+            if a == 0 or not all(labels[b, a - 1:e - 1] != IGNORE):
+                continue
+            q = ref_merged(flat_s[b * T + a - 1:b * T + e - 1].tolist(), ids[b, a + 1:e].tolist())
+            p = ref_merged(flat_t[b * 6 + c - 1:b * 6 + d - 1].tolist(), t_ids[b, c + 1:d].tolist())
+            expected += ref_sorted_l1(q, p) if loss == "uld" else ref_gold(p, q, PAIRS, "forward_kl", 0.5,
+                                                                         len(PAIRS) / VT, 1 - len(PAIRS) / VT)
+    values, grads = [], []
+    for chunks in (1, 2, 5, 50):  # boundaries move past spans; a chunk may be empty
+        s = s_logits.clone().requires_grad_()
+        sums = kd_loss_sums(s, built.targets, labels, ignore_index=IGNORE, num_chunks=chunks)
+        sums.kd.backward()
+        values.append(sums.kd.item())
+        grads.append(s.grad)
+        cuts = built.targets.cuts(chunks)
+        assert sum(cuts) == B * T and all(not (h < sum(cuts[:i]) <= last) for h, last in built.targets.extent
+                                          for i in range(len(cuts)))
+    assert values[0] == pytest.approx(expected, rel=1e-12)
+    assert all(v == pytest.approx(values[0], rel=1e-12) for v in values)
+    assert all(torch.allclose(g, grads[0], rtol=1e-12, atol=1e-14) for g in grads)

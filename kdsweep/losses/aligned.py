@@ -1,0 +1,147 @@
+"""A cross-tokenizer teacher's targets, on the student's positions (one more kind of :mod:`kdsweep.losses.targets`).
+
+The teacher read the same content in its own tokens; :mod:`kdsweep.teacher.align` grouped both sides into spans.
+Each span's KD term sits at one student position, its **head**: the position that predicts the span's first student
+token. The student positions predicting the span's later tokens are its **continuation**, and so are the teacher
+rows that predict the span's later teacher tokens. :meth:`Aligned.divergence` merges each side's distribution
+over the span (:func:`~kdsweep.losses.cross_tokenizer.merge`) from the student's log-probs of the chunk and the
+teacher's logits kept here, and scores them with GOLD or ULD; every other position gets 0. Chunks never cut a span
+(:meth:`Aligned.cuts`), so a chunked loss is the unchunked one up to summation order.
+
+Tensors: ``head`` ``[S]`` student positions; ``cont`` ``[M]`` student positions, ``cont_span`` ``[M]`` their spans and
+``cont_token`` ``[M]`` the tokens they predict; ``t_head`` ``[S, Vt]`` teacher logits predicting each span's first
+teacher token; ``t_cont`` ``[Mt, Vt]`` teacher logits predicting its later ones, their tokens ``t_cont_token`` ``[Mt]`` and spans ``t_cont_span`` ``[Mt]``;
+``t_nll`` ``[S]`` the teacher's −log p of each span's teacher tokens (at T = 1). Continuation rows are in span order.
+``extent`` and ``t_cont_count`` are host-side, so that :meth:`cuts` and :meth:`split` need no device sync.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+
+import torch
+
+from kdsweep.losses.cross_tokenizer import VocabMap, gold, merge, uld
+from kdsweep.losses.divergences import log_probs
+from kdsweep.losses.targets import chunk_sizes
+
+
+@dataclass
+class Aligned:
+    n: int
+    head: torch.Tensor
+    cont: torch.Tensor
+    cont_span: torch.Tensor
+    cont_token: torch.Tensor
+    """``[M]`` the student token each continuation position predicts (its label)."""
+    t_head: torch.Tensor
+    t_cont: torch.Tensor
+    t_cont_token: torch.Tensor
+    t_cont_span: torch.Tensor
+    t_nll: torch.Tensor
+    extent: list[tuple[int, int]]
+    """Per span, ``(head, last)``: the student positions it covers, ``head`` … ``last`` (host-side)."""
+    t_cont_count: list[int]
+    """Per span, its teacher continuation rows (host-side)."""
+    student_vocab: int
+    loss: str = "gold"
+    """``gold`` or ``uld`` (``loss.cross_tokenizer``)."""
+    vocab_map: VocabMap | None = None
+    """The tokens both vocabularies share (``gold``)."""
+    w_matched: float | None = None
+    w_unmatched: float | None = None
+    kl_divergence: str = "forward_kl"
+    """The divergence of the logged distance (the loss's own, at T = 1)."""
+    kl_beta: float = 0.5
+    kl_temperature = 1.0
+    exact = True
+
+    def __len__(self) -> int:
+        return self.n
+
+    @property
+    def vocab(self) -> int:
+        """The student's vocabulary: it is never cut to the teacher's (another vocabulary, not a padded one)."""
+        return self.student_vocab
+
+    # -- chunks ------------------------------------------------------------------------------------------------
+    def cuts(self, num_chunks: int) -> list[int]:
+        """The even split's boundaries, each moved past the span it would cut (a chunk may be left empty)."""
+        inside = [False] * (self.n + 1)  # inside[p]: a boundary at p would cut a span
+        for head, last in self.extent:
+            for p in range(head + 1, last + 1):
+                inside[p] = True
+        bounds, previous = [], 0
+        for b in itertools.accumulate(chunk_sizes(self.n, num_chunks)):
+            b = max(b, previous)
+            while b < self.n and inside[b]:
+                b += 1
+            bounds.append(b)
+            previous = b
+        return [b - a for a, b in zip([0, *bounds[:-1]], bounds)]
+
+    def split(self, num_chunks: int) -> list["Aligned"]:
+        out, lo, first = [], 0, 0
+        for size in self.cuts(num_chunks):
+            count = 0
+            while first + count < len(self.extent) and self.extent[first + count][0] < lo + size:
+                count += 1
+            out.append(self._select(first, count, lo, size))
+            lo, first = lo + size, first + count
+        return out
+
+    def _select(self, first: int, count: int, lo: int, size: int) -> "Aligned":
+        """Spans ``first`` … ``first + count − 1`` on positions ``lo`` … ``lo + size − 1``, renumbered from 0. Each
+        side's continuation rows are in span order, so theirs are one slice (host-side counts, no device sync)."""
+        s_lo, s_hi = sum(self.cont_count[:first]), sum(self.cont_count[:first + count])
+        t_lo, t_hi = sum(self.t_cont_count[:first]), sum(self.t_cont_count[:first + count])
+        spans = slice(first, first + count)
+        return replace(
+            self, n=size, head=self.head[spans] - lo, cont=self.cont[s_lo:s_hi] - lo,
+            cont_span=self.cont_span[s_lo:s_hi] - first, cont_token=self.cont_token[s_lo:s_hi],
+            t_head=self.t_head[spans], t_cont=self.t_cont[t_lo:t_hi], t_cont_token=self.t_cont_token[t_lo:t_hi],
+            t_cont_span=self.t_cont_span[t_lo:t_hi] - first, t_nll=self.t_nll[spans],
+            extent=[(h - lo, e - lo) for h, e in self.extent[spans]], t_cont_count=self.t_cont_count[spans],
+        )
+
+    @property
+    def cont_count(self) -> list[int]:
+        """Per span, its student continuation positions (``head + 1`` … ``last``)."""
+        return [last - head for head, last in self.extent]
+
+    # -- the loss ----------------------------------------------------------------------------------------------
+    def _merged(self, log_q: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each span's merged distribution: the student's from ``log_q``, the teacher's at ``temperature``."""
+        spans = len(self.extent)
+        cont_q = log_q[self.cont].gather(-1, self.cont_token.long().unsqueeze(-1)).squeeze(-1)
+        c_s = log_q.new_zeros(spans).index_add(0, self.cont_span, cont_q)
+        lp_t = log_probs(self.t_cont, temperature)
+        cont_p = lp_t.gather(-1, self.t_cont_token.long().unsqueeze(-1)).squeeze(-1)
+        c_t = lp_t.new_zeros(spans).index_add(0, self.t_cont_span, cont_p)
+        return merge(log_q[self.head], c_s), merge(log_probs(self.t_head, temperature), c_t)
+
+    def _score(self, log_q: torch.Tensor, divergence: str, beta: float, temperature: float) -> torch.Tensor:
+        q, p = self._merged(log_q, temperature)
+        if self.loss == "uld":
+            per_span = uld(q, p)
+        else:
+            per_span = gold(q, p, self.vocab_map, divergence, beta, self.w_matched, self.w_unmatched)
+        return log_q.new_zeros(self.n, dtype=per_span.dtype).index_put((self.head,), per_span)
+
+    def divergence(self, log_q: torch.Tensor, divergence: str, beta: float, temperature: float) -> torch.Tensor:
+        """``[n]`` each span's GOLD or ULD term at its head position (0 elsewhere), from the student's log-probs at
+        ``temperature`` ``[n, Vs]``."""
+        return self._score(log_q, divergence, beta, temperature)
+
+    def kl(self, log_q: torch.Tensor) -> torch.Tensor:
+        """``[n]`` the loss's own distance at T = 1 (there is no KL between two vocabularies)."""
+        return self._score(log_q, self.kl_divergence, self.kl_beta, 1.0)
+
+    def teacher_ce(self, labels: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
+        """``[n]`` the teacher's −log p of each span's own tokens at its head (0 elsewhere): summed over the student's
+        tokens, its cross-entropy on the same text as the student's, per student token."""
+        return self.t_nll.new_zeros(self.n).index_put((self.head,), self.t_nll)
+
+
+__all__ = ["Aligned"]

@@ -1,0 +1,171 @@
+"""A cross-tokenizer teacher's targets, built from the spans of each row (:mod:`kdsweep.teacher.align`) and the
+teacher's logits on its own tokens of the same rows: :class:`~kdsweep.losses.aligned.Aligned`, on the student's
+positions.
+
+A span of student tokens ``a … b−1`` and teacher tokens ``c … d−1`` takes one KD term at student position ``a − 1``
+(which predicts token ``a``), when that position and the span's other positions ``a … b−2`` are trained (their
+labels are not ignored) and the teacher has a position ``c − 1`` before the span (its BOS, or earlier content). A
+span with trained positions that cannot take its term (part of it untrained, or no teacher position before it) is
+dropped and counted (:attr:`CrossTargets.dropped`), never silently; the row's first token has no position to train.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from kdsweep.data.batch import Batch
+from kdsweep.losses.aligned import Aligned
+from kdsweep.losses.cross_tokenizer import VocabMap
+from kdsweep.losses.divergences import log_probs
+from kdsweep.teacher.align import Span, align_spans, piece_bytes, shared_vocab
+from kdsweep.teacher.reader import RowReader, is_byte_level
+
+
+@dataclass
+class CrossTargets:
+    targets: Aligned
+    spans: int
+    """Spans that take a KD term."""
+    dropped: int
+    """Spans that cannot (untrained positions inside, or no teacher position before them)."""
+
+
+def aligned_targets(
+    row_spans: Sequence[Sequence[Span]],
+    student_ids: torch.Tensor,
+    labels: torch.Tensor,
+    teacher_ids: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    *,
+    ignore_index: int,
+    student_vocab: int,
+    loss: str,
+    vocab_map: VocabMap | None,
+    w_matched: float | None = None,
+    w_unmatched: float | None = None,
+    kl_divergence: str = "forward_kl",
+    kl_beta: float = 0.5,
+) -> CrossTargets:
+    """``row_spans[b]``: row b's spans; ``student_ids``/``labels`` ``[B, T]``; ``teacher_ids`` ``[B, Tt]`` and
+    ``teacher_logits`` ``[B, Tt, Vt]`` the teacher's rows of the same content. Positions are flattened row by row."""
+    B, T = student_ids.shape
+    Tt = teacher_ids.shape[1]
+    s_ids, trained = student_ids.tolist(), (labels != ignore_index).tolist()
+    t_ids = teacher_ids.tolist()
+    head, cont, cont_span, cont_token = [], [], [], []
+    t_head, t_cont, t_cont_token, t_cont_span, t_cont_count, t_nll_rows = [], [], [], [], [], []
+    extent, dropped = [], 0
+    for b, spans in enumerate(row_spans):
+        for span in spans:
+            (a, e), (c, d) = span.student, span.teacher
+            if a < 1:  # the row's first token: no student position predicts it, nothing to train
+                continue
+            if c < 1 or not all(trained[b][a - 1:e - 1]):
+                dropped += int(any(trained[b][a - 1:e - 1]))  # a span of prompt tokens was never a KD position
+                continue
+            k = len(extent)
+            extent.append((b * T + a - 1, b * T + e - 2))
+            head.append(b * T + a - 1)
+            for p in range(a, e - 1):
+                cont.append(b * T + p)
+                cont_span.append(k)
+                cont_token.append(s_ids[b][p + 1])
+            t_head.append(b * Tt + c - 1)
+            for u in range(c, d - 1):
+                t_cont.append(b * Tt + u)
+                t_cont_token.append(t_ids[b][u + 1])
+                t_cont_span.append(k)
+            t_cont_count.append(d - 1 - c)
+            t_nll_rows.append([(b * Tt + u - 1, t_ids[b][u]) for u in range(c, d)])
+    device = teacher_logits.device
+    flat = teacher_logits.reshape(-1, teacher_logits.shape[-1])
+    long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)
+    with torch.no_grad():
+        lp = log_probs(flat[long([r for rows in t_nll_rows for r, _ in rows])], 1.0)
+        picked = lp.gather(-1, long([t for rows in t_nll_rows for _, t in rows]).unsqueeze(-1)).squeeze(-1)
+        owner = long([k for k, rows in enumerate(t_nll_rows) for _ in rows])
+        t_nll = -lp.new_zeros(len(extent)).index_add(0, owner, picked)
+    targets = Aligned(
+        n=B * T, head=long(head), cont=long(cont), cont_span=long(cont_span), cont_token=long(cont_token),
+        t_head=flat[long(t_head)], t_cont=flat[long(t_cont)], t_cont_token=long(t_cont_token),
+        t_cont_span=long(t_cont_span), t_nll=t_nll, extent=extent, t_cont_count=t_cont_count,
+        student_vocab=student_vocab, loss=loss, vocab_map=vocab_map, w_matched=w_matched, w_unmatched=w_unmatched,
+        kl_divergence=kl_divergence, kl_beta=kl_beta,
+    )
+    return CrossTargets(targets, spans=len(extent), dropped=dropped)
+
+
+def vocab_map_of(student: Any, teacher: Any, teacher_vocab: int) -> VocabMap:
+    """The tokens the two tokenizers share: the same bytes; and special tokens of the same text, or the same role
+    (BOS with BOS, EOS with EOS)."""
+    def entries(tok: Any) -> list[tuple[int, bytes, bool]]:
+        special, level = set(tok.all_special_ids), is_byte_level(tok)
+        pieces = tok.convert_ids_to_tokens(list(range(len(tok))))
+        return [(i, *piece_bytes(p, bool(level))) for i, p in enumerate(pieces) if i not in special]
+
+    pairs = shared_vocab(entries(student), entries(teacher))
+    t_special = {teacher.convert_ids_to_tokens(i): i for i in teacher.all_special_ids}
+    specials = [(i, t_special.get(student.convert_ids_to_tokens(i))) for i in student.all_special_ids]
+    specials += [(getattr(student, f"{r}_token_id"), getattr(teacher, f"{r}_token_id")) for r in ("bos", "eos")]
+    taken_s, taken_t = set(), set()
+    for a, b in specials:
+        if a is not None and b is not None and a not in taken_s and b not in taken_t:
+            pairs.append((a, b))
+            taken_s.add(a)
+            taken_t.add(b)
+    return VocabMap.of(sorted(pairs), len(student), teacher_vocab)
+
+
+class CrossTokenizerTeacher:
+    """A live teacher with its own tokenizer (a :class:`~kdsweep.teacher.source.TeacherSource`): each student row is
+    read in the teacher's tokens (:class:`~kdsweep.teacher.reader.RowReader`), the teacher runs on those, and its
+    targets come back on the student's positions (:class:`~kdsweep.losses.aligned.Aligned`)."""
+
+    def __init__(self, model: nn.Module, reader: RowReader, vocab_map: VocabMap, *, loss: str, ignore_index: int,
+                 student_vocab: int, max_positions: int, pad_id: int, w_matched: float | None = None,
+                 w_unmatched: float | None = None, kl_divergence: str = "forward_kl", kl_beta: float = 0.5) -> None:
+        self.model, self.reader, self.vocab_map = model, reader, vocab_map
+        self.loss, self.ignore_index, self.student_vocab = loss, ignore_index, student_vocab
+        self.max_positions, self.pad_id = max_positions, pad_id
+        self.weights, self.kl = (w_matched, w_unmatched), (kl_divergence, kl_beta)
+        self.tokens_computed, self.tokens_read = 0, 0
+        self.spans, self.dropped, self.unaligned = 0, 0, 0
+        """KD spans taken, spans that could not take a term, and student content tokens in no span (cut rows)."""
+
+    @contextmanager
+    def targets(self, batch: Batch) -> Iterator[Aligned]:
+        ids = batch.input_ids.tolist()
+        starts = ([{k for k, p in enumerate(row) if p == 0} for row in batch.position_ids.tolist()]
+                  if batch.position_ids is not None else [set()] * len(ids))
+        reads = [self.reader.read(row, doc) for row, doc in zip(ids, starts)]
+        width = max(1, min(self.max_positions, max(len(r.teacher_ids) for r in reads)))
+        t_ids = torch.full((len(ids), width), self.pad_id, dtype=torch.long)
+        t_pos = torch.arange(width).repeat(len(ids), 1)
+        for b, r in enumerate(reads):
+            n = min(width, len(r.teacher_ids))
+            t_ids[b, :n] = torch.tensor(r.teacher_ids[:n], dtype=torch.long)
+            t_pos[b, :n] = torch.tensor(r.teacher_positions[:n], dtype=torch.long)
+        device = batch.input_ids.device
+        t_ids, t_pos = t_ids.to(device), t_pos.to(device)
+        self.tokens_computed += t_ids.numel()
+        with torch.no_grad():  # right padding needs no mask (causal); packed documents: their position ids
+            logits = self.model(input_ids=t_ids, position_ids=t_pos, use_cache=False).logits
+        row_spans = []
+        for r in reads:
+            alignment = align_spans(r.text, r.student, r.teacher[:width])
+            row_spans.append(alignment.spans)
+            self.unaligned += alignment.unaligned[0]
+        built = aligned_targets(row_spans, batch.input_ids, batch.labels, t_ids, logits, ignore_index=self.ignore_index,
+                                student_vocab=self.student_vocab, loss=self.loss, vocab_map=self.vocab_map,
+                                w_matched=self.weights[0], w_unmatched=self.weights[1], kl_divergence=self.kl[0],
+                                kl_beta=self.kl[1])
+        self.spans, self.dropped = self.spans + built.spans, self.dropped + built.dropped
+        yield built.targets
+
+
+__all__ = ["CrossTargets", "CrossTokenizerTeacher", "aligned_targets", "vocab_map_of"]

@@ -1,0 +1,161 @@
+"""How a teacher with its own tokenizer reads a student's row: the row's text, and the teacher's tokens of it.
+
+The student's tokens are turned back into the bytes they stand for (:func:`~kdsweep.teacher.align.piece_bytes`);
+each run of content tokens between the student's special tokens (BOS, EOS, a document start in a packed row) is
+one segment, which the teacher tokenizes in its own vocabulary and conventions; the student's BOS and EOS become
+the teacher's own (and align with them: the student learns where a document ends from the teacher's EOS), other
+special tokens are not aligned, and a packed row's documents stay apart (the teacher's positions restart with each, as the
+student's do). Both sides' offsets are byte offsets into the row's bytes, so that a byte-level token holding part
+of a character still has a place; :func:`~kdsweep.teacher.align.align_spans` reads them as one character per byte
+(``text`` is the bytes decoded as latin-1). Bytes that are not valid UTF-8 (a character cut at the row's edge) are
+not given to the teacher: the student tokens over them stay unaligned.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from kdsweep.config.schema import ConfigError
+from kdsweep.teacher.align import Offset, piece_bytes
+
+
+def is_byte_level(tokenizer: Any) -> bool | None:
+    """True for byte-level BPE (``Ġ``), False for SentencePiece-style pieces (``▁``, byte fallback), None for a
+    convention kdsweep cannot read back into bytes (WordPiece's ``##``, a slow tokenizer)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    spec = json.loads(backend.to_str())
+    kinds = json.dumps([spec.get("decoder"), spec.get("pre_tokenizer")])
+    if "ByteLevel" in kinds:
+        return True
+    if "Metaspace" in kinds or "ByteFallback" in kinds or "\u2581" in kinds:
+        return False
+    return None
+
+
+MARKERS = ("\ue000", "\ue001")
+"""The characters a BOS and an EOS stand for in a row's text (outside the bytes' latin-1 range: never content)."""
+
+
+@dataclass
+class Read:
+    """One student row as the teacher reads it (offsets are bytes of ``text``)."""
+
+    text: str
+    student: list[Offset]
+    teacher_ids: list[int]
+    teacher: list[Offset]
+    teacher_positions: list[int] = field(default_factory=list)
+
+
+class RowReader:
+    """Reads student rows for one (student tokenizer, teacher tokenizer) pair; built once per job."""
+
+    def __init__(self, student: Any, teacher: Any, section: str = "teacher") -> None:
+        s_level, self.t_level = is_byte_level(student), is_byte_level(teacher)
+        for name, level, tok in (("model", s_level, student), (section, self.t_level, teacher)):
+            if level is None:
+                raise ConfigError(f"{name}: its tokenizer ({type(tok).__name__}) writes tokens in a convention kdsweep "
+                                  "cannot map back to text (byte-level BPE and SentencePiece-style pieces can); "
+                                  "use a teacher and student with fast BPE tokenizers")
+        special = set(student.all_special_ids)
+        pieces = student.convert_ids_to_tokens(list(range(len(student))))
+        self.pieces = [None if i in special else piece_bytes(p, s_level)[0] for i, p in enumerate(pieces)]
+        self.s_bos, self.s_eos, self.s_pad = student.bos_token_id, student.eos_token_id, student.pad_token_id
+        self.teacher = teacher
+        self.t_bos, self.t_eos = teacher.bos_token_id, teacher.eos_token_id
+        t_special = set(teacher.all_special_ids)
+        t_pieces = teacher.convert_ids_to_tokens(list(range(len(teacher))))
+        self.t_pieces = [b"" if i in t_special else piece_bytes(p, self.t_level)[0] for i, p in enumerate(t_pieces)]
+
+    def read(self, ids: list[int], doc_starts: set[int] = frozenset()) -> Read:
+        """``ids``: one student row; ``doc_starts``: its token indices where a packed document begins (its position
+        ids restart)."""
+        text, student, seg_start = [], [], 0  # text: one character per byte, and one marker per BOS/EOS pair
+        t_ids, t_off, t_pos = [], [], []
+        pos = 0
+
+        def flush() -> None:
+            nonlocal pos
+            segment = "".join(text[seg_start:]).encode("latin-1")
+            for i, o in self._teacher_tokens(segment, seg_start):
+                t_ids.append(i)
+                t_off.append(o)
+                t_pos.append(pos)
+                pos += 1
+
+        for k, token in enumerate(ids):
+            if k in doc_starts and k > 0:
+                flush()
+                seg_start, pos = len(text), 0
+            piece = self.pieces[token] if 0 <= token < len(self.pieces) else None
+            if piece is not None:
+                student.append((len(text), len(text) + len(piece)))
+                text += [chr(b) for b in piece]
+                continue
+            flush()
+            if token == self.s_pad and token not in (self.s_bos, self.s_eos):
+                student.append(None)
+                break  # a padded row's end: nothing more for the teacher
+            own = self.t_bos if token == self.s_bos else self.t_eos if token == self.s_eos else None
+            if own is None:  # a special token the teacher has no counterpart of: not aligned
+                student.append(None)
+            else:  # the student's BOS/EOS and the teacher's own cover one marker character: a span of their own
+                marker = (len(text), len(text) + 1)
+                text.append(MARKERS[token == self.s_eos])
+                student.append(marker)
+                t_ids.append(own)
+                t_off.append(marker)
+                t_pos.append(pos)
+                pos += 1
+            seg_start = len(text)
+        flush()
+        student += [None] * (len(ids) - len(student))
+        return Read("".join(text), student, t_ids, t_off, t_pos)
+
+    def _teacher_tokens(self, segment: bytes, base: int) -> list[tuple[int, Offset]]:
+        """The teacher's tokens of ``segment`` (bytes at ``base`` of the row) with byte offsets; runs of bytes that are
+        not valid UTF-8 are skipped."""
+        out, at = [], 0
+        while at < len(segment):
+            try:
+                chunk, end = segment[at:].decode("utf-8"), len(segment)
+            except UnicodeDecodeError as e:
+                chunk, end = segment[at:at + e.start].decode("utf-8"), at + e.end
+            if chunk:
+                enc = self.teacher(chunk, add_special_tokens=False, return_offsets_mapping=True)
+                offsets = self._piece_offsets(enc["input_ids"], chunk.encode("utf-8")) or self._char_offsets(
+                    chunk, enc["offset_mapping"])
+                out += [(i, None if o is None else (base + at + o[0], base + at + o[1]))
+                        for i, o in zip(enc["input_ids"], offsets)]
+            at = end
+        return out
+
+    def _piece_offsets(self, ids: list[int], chunk: bytes) -> list[Offset] | None:
+        """Exact byte offsets from the teacher's pieces, when they spell ``chunk`` (a SentencePiece-style tokenizer
+        may put a space in front of it); None when its normalisation changed the text."""
+        pieces = [self.t_pieces[i] for i in ids]
+        spelled = b"".join(pieces)
+        shift = 0 if spelled == chunk else 1 if spelled == b" " + chunk else None
+        if shift is None:
+            return None
+        out, at = [], -shift
+        for p in pieces:
+            a, b = max(at, 0), at + len(p)
+            out.append((a, b) if b > a else None)
+            at = b
+        return out
+
+    @staticmethod
+    def _char_offsets(chunk: str, offsets: list[tuple[int, int]]) -> list[Offset]:
+        """Byte offsets from the tokenizer's character offsets (a token inside one character covers all of it)."""
+        byte_at = [0]
+        for ch in chunk:
+            byte_at.append(byte_at[-1] + len(ch.encode("utf-8")))
+        return [(byte_at[a], byte_at[b]) if b > a else None for a, b in offsets]
+
+
+__all__ = ["Read", "RowReader", "is_byte_level"]

@@ -1,0 +1,104 @@
+"""The live cross-tokenizer teacher (kdsweep.teacher.cross.CrossTokenizerTeacher) on tiny random Llama teachers and
+real tokenizers of two conventions: with the student's own tokenizer and model it gives the live teacher's loss
+exactly (packed and padded rows); with another tokenizer it reads the same text, and trains only what aligns."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import one_thread  # noqa: F401
+from kdsweep.data.batch import Batch
+from kdsweep.losses import DIVERGENCES, kd_loss_sums
+from kdsweep.teacher.cross import CrossTokenizerTeacher, vocab_map_of
+from kdsweep.teacher.live import LiveTeacher
+from kdsweep.teacher.reader import RowReader, is_byte_level
+from test_align import TEXTS, tokenizer
+
+IGNORE = -100
+
+
+def tiny_model(vocab: int, seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128, use_cache=False)
+    return LlamaForCausalLM(config).eval()
+
+
+def student_batch(kind: str, packed: bool, T: int = 100) -> Batch:
+    """Two rows of the embedded conventions: BOS, documents joined by EOS (packed: positions restart per document),
+    then padding (``T`` = 40 cuts row 0 inside a word); labels are the next tokens (the row's last, the padding's and
+    row 1's first two not trained)."""
+    tok = tokenizer(kind)
+    rows, positions = [], []
+    for docs in ((TEXTS[0], TEXTS[2]), (TEXTS[1], TEXTS[3])):
+        ids, pos = [tok.bos_token_id], [0]
+        for n, d in enumerate(docs):
+            doc = tok(d, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            first = len(pos) if n == 0 else 0  # the first document holds the BOS
+            pos += list(range(first, first + len(doc)))
+            ids += doc
+        ids, pos = ids[:T], pos[:T]
+        pos += list(range(T - len(ids)))  # the padding tail: its own document
+        ids += [tok.pad_token_id] * (T - len(ids))
+        rows.append(ids)
+        positions.append(pos)
+    input_ids = torch.tensor(rows)
+    labels = torch.cat([input_ids[:, 1:], torch.full((2, 1), IGNORE)], dim=1)
+    labels[(input_ids == tok.pad_token_id) | (labels == tok.pad_token_id)] = IGNORE  # padding is never a target
+    labels[1, :2] = IGNORE
+    return Batch(input_ids, labels, position_ids=torch.tensor(positions) if packed else None)
+
+
+def source(student_kind: str, teacher_kind: str, model, loss="gold"):
+    s, t = tokenizer(student_kind), tokenizer(teacher_kind)
+    return CrossTokenizerTeacher(model, RowReader(s, t), vocab_map_of(s, t, len(t)), loss=loss, ignore_index=IGNORE,
+                                 student_vocab=len(s), max_positions=128, pad_id=t.pad_token_id)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_the_students_own_tokenizer_through_the_cross_path_is_the_live_teacher(packed):
+    batch = student_batch("byte_level", packed)
+    model = tiny_model(len(tokenizer("byte_level")), seed=0)
+    s_logits = torch.randn(*batch.input_ids.shape, len(tokenizer("byte_level")), generator=torch.Generator().manual_seed(1))
+    cross = source("byte_level", "byte_level", model)
+    for divergence in DIVERGENCES:
+        kw = dict(divergence=divergence, beta=0.3, temperature=2.0, ignore_index=IGNORE, num_chunks=3)
+        with LiveTeacher(model).targets(batch) as live, cross.targets(batch) as aligned:
+            want = kd_loss_sums(s_logits, live, batch.labels, **kw)
+            got = kd_loss_sums(s_logits, aligned, batch.labels, **kw)
+        for a, b in zip(got, want):
+            assert a.item() == pytest.approx(b.item(), rel=1e-5, abs=1e-6), divergence
+    assert cross.dropped == 0 and cross.unaligned == 0 and (batch.input_ids[:, -1] == tokenizer("byte_level").pad_token_id).all()
+    assert cross.spans == len(DIVERGENCES) * int((batch.labels != IGNORE).sum())
+
+
+def test_a_teacher_of_another_tokenizer_reads_the_same_text_and_trains_what_aligns():
+    batch = student_batch("byte_level", packed=True, T=40)
+    s, t = tokenizer("byte_level"), tokenizer("metaspace")
+    assert is_byte_level(s) is True and is_byte_level(t) is False
+    reader = RowReader(s, t)
+    read = reader.read(batch.input_ids[0].tolist(), {k for k, p in enumerate(batch.position_ids[0].tolist()) if p == 0})
+    # the teacher's tokens are its own reading of the same documents, with its own BOS and EOS between them
+    content = [i for i in read.teacher_ids if i not in (t.bos_token_id, t.eos_token_id)]
+    assert read.teacher_ids[0] == t.bos_token_id and t.eos_token_id in read.teacher_ids
+    assert t.decode(content).replace(" ", "") in (TEXTS[0] + TEXTS[2]).replace(" ", "")
+    assert read.teacher_positions[0] == 0 and read.teacher_positions.count(0) == 2  # two documents
+    for loss in ("gold", "uld"):
+        cross = source("byte_level", "metaspace", tiny_model(len(t), seed=2), loss=loss)
+        logits = torch.randn(*batch.input_ids.shape, len(s), generator=torch.Generator().manual_seed(3))
+        logits.requires_grad_()
+        with cross.targets(batch) as aligned:
+            sums = kd_loss_sums(logits, aligned, batch.labels, ignore_index=IGNORE, num_chunks=4)
+        sums.kd.backward()
+        assert torch.isfinite(sums.kd) and sums.kd > 0 and torch.isfinite(logits.grad).all()
+        heads = aligned.head.tolist()
+        # KD terms only at trained positions; the row cut inside a word leaves its tail unaligned and counted
+        assert all(batch.labels.reshape(-1)[h] != IGNORE for h in heads)
+        assert 0 < cross.spans < int((batch.labels != IGNORE).sum())
+        untouched = torch.ones(logits.shape[:2], dtype=torch.bool).reshape(-1)
+        untouched[heads] = False
+        untouched[aligned.cont.tolist()] = False
+        assert (logits.grad.reshape(-1, len(s))[untouched].abs().sum(-1) == 0).all()
