@@ -19,7 +19,7 @@ def _check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-ZOO_NAMES = ("tiny-teacher", "tiny-student")
+ZOO_NAMES = ("tiny-teacher", "tiny-student", "tiny-teacher-other")
 DIVERGENCES = ("forward_kl",)
 SCHEDULES = ("cosine", "linear", "constant")
 DEVICES = ("auto", "cpu", "cuda")
@@ -255,6 +255,8 @@ class LossConfig:
     """Allowed ``divergence`` values (the same tuple as ``kdsweep.losses.DIVERGENCES``; a test keeps them equal)."""
     IMPLS = ("dense", "chunked", "fused")
     """Allowed ``impl`` values."""
+    CROSS_TOKENIZER = ("gold", "uld")
+    """Allowed ``cross_tokenizer`` values (kdsweep.losses.cross_tokenizer.CROSS_TOKENIZER_LOSSES)."""
 
     kd_ratio: float = 0.5
     """Weight of the distillation term; set from the top-level knob ``kd_ratio``."""
@@ -276,6 +278,16 @@ class LossConfig:
     """Token chunks the loss is computed over with ``impl=chunked`` (bounds the fp32 working set)."""
     ignore_index: int = -100
     """Label value excluded from every loss term and token count."""
+    cross_tokenizer: str = "gold"
+    """The KD term when the teacher's tokenizer is not the student's (read only then; kdsweep.losses.cross_tokenizer):
+    both read the same text, grouped into spans of the same characters, one term per span. gold: the divergence
+    above over the tokens both vocabularies share (and one outcome for the others), plus ULD over the tokens they
+    do not share (GOLD); uld: ULD alone (sorted probabilities, no vocabulary mapping)."""
+    gold_matched_weight: float | None = None
+    """gold's weight of the shared-token divergence; None (with ``gold_unmatched_weight`` None): GOLD's, the shared
+    tokens' share of the teacher's vocabulary."""
+    gold_unmatched_weight: float | None = None
+    """gold's weight of ULD over the tokens the vocabularies do not share; None: 1 − the matched weight."""
 
     @property
     def chunks(self) -> int:
@@ -306,6 +318,12 @@ class LossConfig:
             f"loss.impl={self.impl!r} is unknown; use one of {', '.join(self.IMPLS)}",
         )
         _check(self.num_chunks >= 1, f"loss.num_chunks={self.num_chunks} must be >= 1")
+        _check(self.cross_tokenizer in self.CROSS_TOKENIZER,
+               f"loss.cross_tokenizer={self.cross_tokenizer!r} is unknown; use one of {', '.join(self.CROSS_TOKENIZER)}")
+        weights = (self.gold_matched_weight, self.gold_unmatched_weight)
+        _check(weights == (None, None) or (None not in weights and min(weights) >= 0 and sum(weights) > 0),
+               f"loss.gold_matched_weight={weights[0]} and loss.gold_unmatched_weight={weights[1]}: give both, each "
+               ">= 0 and not both 0, or neither (GOLD's weights)")
 
 
 @dataclass(frozen=True, kw_only=True)

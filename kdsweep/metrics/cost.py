@@ -6,6 +6,7 @@ import time
 from typing import Callable
 
 from kdsweep.distributed import DistEnv
+from kdsweep.metrics.records import ALIGNMENT_FIELDS
 
 
 class CostMeter:
@@ -35,7 +36,8 @@ class CostMeter:
             self.trained_tokens, tokens["teacher_tokens_computed"], tokens["teacher_tokens_read"],
             self.teacher_generated))
         wall = time.time() - self.started
-        return {"steps": self.steps, "train_tokens": trained, "trial_seconds": wall,
+        alignment = {k: sum(self.dist.gather_floats(float(v))) for k, v in tokens.items() if k in ALIGNMENT_FIELDS}
+        return {**alignment, "steps": self.steps, "train_tokens": trained, "trial_seconds": wall,
                 "device_seconds": wall * self.dist.world_size, "loop_seconds": time.time() - self.loop_started,
                 "startup_seconds": self.loop_started - self.started,
                 "teacher_tokens_computed": computed + self.built_tokens + generated, "teacher_tokens_read": read,

@@ -46,6 +46,11 @@ when it was handed over, ``environment.worker`` says which), the teacher positio
 cache's build, and the tokens the teacher generated) or a cache supplied, and of those the tokens the teacher
 generated."""
 
+ALIGNMENT_FIELDS = ("kd_spans", "kd_spans_dropped", "tokens_unaligned")
+"""A teacher with another tokenizer (run.json ``alignment``, summed over attempts): the spans that took a KD term,
+the spans with trained tokens that could not (part untrained, or no teacher position before them), and the
+student's content tokens in no span (a row cut inside a span)."""
+
 SLURM_VARS = {
     "job_id": "SLURM_JOB_ID", "array_job_id": "SLURM_ARRAY_JOB_ID", "array_task_id": "SLURM_ARRAY_TASK_ID",
     "restart_count": "SLURM_RESTART_COUNT", "nodelist": "SLURM_JOB_NODELIST", "ntasks": "SLURM_NTASKS",
@@ -138,7 +143,9 @@ class RunRecord:
     def cost(self, attempt: dict[str, float]) -> None:
         """Record what this attempt has cost so far (``costs``: one entry per attempt; ``cost``: their sums)."""
         costs = [*self._earlier_costs, attempt]
-        self.update(costs=costs, cost={k: sum(c.get(k, 0) for c in costs) for k in COST_FIELDS})
+        alignment = {k: sum(c.get(k, 0) for c in costs) for k in ALIGNMENT_FIELDS if any(k in c for c in costs)}
+        self.update(costs=costs, cost={k: sum(c.get(k, 0) for c in costs) for k in COST_FIELDS},
+                    **({"alignment": alignment} if alignment else {}))
 
     def update(self, **fields: Any) -> None:
         self.data.update(fields)

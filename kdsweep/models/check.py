@@ -69,7 +69,7 @@ def _source(section: str, src: ModelSource) -> tuple[str | None, dict[str, Any]]
         return str(d), check_model_dir(section, src.path, d)
     from kdsweep.models import zoo  # imports no torch at module level
 
-    return None, {"max_position_embeddings": zoo.max_positions(src.zoo), "vocab_size": zoo.TOKENIZER["vocab_size"]}
+    return None, {"max_position_embeddings": zoo.max_positions(src.zoo), "vocab_size": zoo.vocab_size(src.zoo)}
 
 
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
@@ -91,10 +91,56 @@ def _vocab(config: dict[str, Any]) -> int:
     return int(config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size") or 0)
 
 
-def _zoo_tokenizer_dir() -> str:
+def _zoo_tokenizer_dir(name: str) -> str:
     from kdsweep.models import zoo
 
-    return str(zoo.tokenizer_dir())
+    return str(zoo.tokenizer_dir(zoo.TOKENIZER_OF[name]))
+
+
+FORCE_CROSS_TOKENIZER = "KDSWEEP_TEST_FORCE_CROSS_TOKENIZER"
+"""Test-only: a teacher with the student's own tokenizer takes the cross-tokenizer path (its identity test)."""
+
+
+def cross_tokenizer(cfg: RunConfig) -> bool:
+    """Whether the teacher's tokenizer is not the student's (the cross-tokenizer path), or the test switch is set."""
+    if os.environ.get(FORCE_CROSS_TOKENIZER) == "1":
+        return True
+    s_dir, _ = _source("model", cfg.model)
+    t_dir, _ = _source("teacher", cfg.teacher)
+    if s_dir is None and t_dir is None:  # two zoo models: their tokenizers are known by name
+        from kdsweep.models import zoo
+
+        return zoo.TOKENIZER_OF[cfg.model.zoo] != zoo.TOKENIZER_OF[cfg.teacher.zoo]
+    s_tok = s_dir or _zoo_tokenizer_dir(cfg.model.zoo)
+    t_tok = t_dir or _zoo_tokenizer_dir(cfg.teacher.zoo)
+    return s_tok != t_tok and tokenizer_fingerprint("model", s_tok)[0] != tokenizer_fingerprint("teacher", t_tok)[0]
+
+
+def check_cross_tokenizer(cfg: RunConfig) -> None:
+    """What a teacher with another tokenizer cannot do yet, each in one line."""
+    from kdsweep.teacher.align import byte_level
+
+    fix = "or pick a teacher with the student's tokenizer"
+    for section, src in (("model", cfg.model), ("teacher", cfg.teacher)):
+        d = _source(section, src)[0] if src.path is not None else None  # the zoo's tokenizers are both readable
+        spec = Path(d) / "tokenizer.json" if d else None
+        if spec is not None and (not spec.is_file() or byte_level(json.loads(spec.read_text())) is None):
+            raise ConfigError(f"{section}.path={src.path}: its tokenizer writes tokens in a convention kdsweep cannot "
+                              "read back into text (byte-level BPE and SentencePiece-style pieces can), so it cannot "
+                              f"be aligned with the other model's; {fix}")
+    if cfg.teacher.logits == "cache":
+        raise ConfigError("teacher.logits=cache does not hold the targets of a teacher with another tokenizer yet; "
+                          f"use teacher.logits=live, {fix}")
+    if cfg.loss.impl == "fused":
+        raise ConfigError("loss.impl=fused cannot serve a teacher with another tokenizer (its KD terms are per span of "
+                          f"the two tokenizations, not per token); use loss.impl=chunked, {fix}")
+    if cfg.rollout.lmbda > 0 or cfg.rollout.seq_kd:
+        raise ConfigError("rollout.lmbda and rollout.seq_kd: generation with a teacher of another tokenizer is not "
+                          f"supported yet; use lmbda=0 rollout.seq_kd=false, {fix}")
+    for i, ds in enumerate(cfg.data.datasets):
+        if ds.format != "text":
+            raise ConfigError(f"data.datasets[{i}].format={ds.format}: a teacher with another tokenizer reads plain "
+                              f"text only for now (it would read the student's template as text); use data=text, {fix}")
 
 
 def preflight_models(cfg: RunConfig) -> None:
@@ -120,19 +166,12 @@ def preflight_models(cfg: RunConfig) -> None:
     from kdsweep.teacher.check import preflight_cache
 
     preflight_cache(cfg, min((v for v in (_vocab(s_cfg), _vocab(t_cfg)) if v), default=0))
+    if cross_tokenizer(cfg):  # the teacher reads the same text in its own tokens (kdsweep.teacher.cross)
+        check_cross_tokenizer(cfg)
+        return
     if s_dir is None and t_dir is None:
-        return  # both from the zoo: one tokenizer by construction
-    # a zoo model beside a directory: the zoo's tokenizer (built on first use) against the directory's
-    s_tok, t_tok = s_dir or _zoo_tokenizer_dir(), t_dir or _zoo_tokenizer_dir()
-    s_fp, s_vocab = tokenizer_fingerprint("model", s_tok)
-    t_fp, _ = tokenizer_fingerprint("teacher", t_tok)
-    if s_fp != t_fp:
-        fix = ("use model=tiny teacher=tiny, or two directories of one family" if None in (s_dir, t_dir)
-               else "pick a teacher and student from the same model family")
-        raise ConfigError(
-            f"teacher {cfg.teacher.path or 'tiny (embedded)'} and model {cfg.model.path or 'tiny (embedded)'} have "
-            f"different tokenizers; token-level distillation needs one shared vocabulary: {fix}"
-        )
+        return  # both from the zoo, of one tokenizer
+    s_fp, s_vocab = tokenizer_fingerprint("model", s_dir or _zoo_tokenizer_dir(cfg.model.zoo))
     smallest = min(s_cfg.get("vocab_size", s_vocab), t_cfg.get("vocab_size", s_vocab))
     if s_vocab > smallest:
         raise ConfigError(

@@ -25,6 +25,11 @@ ZOO_VERSION = 1
 # The default data split (DataConfig defaults): the tiny models never see the default held-out documents.
 SPLIT = {"eval_fraction": 0.05, "split_seed": 1234}
 TOKENIZER = {"vocab_size": 2048, "min_frequency": 2}
+"""The tiny tokenizer: byte-level BPE (``Ġ`` for a space), shared by the tiny teacher and student."""
+OTHER_TOKENIZER = {"vocab_size": 1536, "min_frequency": 2, "pieces": "sentencepiece_byte_fallback"}
+"""The second teacher's own: BPE on the same documents in SentencePiece's conventions (``▁`` for a space, unknown
+characters as ``<0xAB>`` byte tokens) and a smaller vocabulary, so the pair is a real cross-tokenizer pair."""
+TOKENIZERS = {"tiny": TOKENIZER, "tiny_other": OTHER_TOKENIZER}
 SPECIAL_TOKENS = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
 ARCHS: dict[str, dict[str, Any]] = {
     "tiny-teacher": {
@@ -36,6 +41,8 @@ ARCHS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 2, "max_position_embeddings": 512, "rope_theta": 10000.0,
     },
 }
+ARCHS["tiny-teacher-other"] = ARCHS["tiny-teacher"]  # the same teacher, in its own tokens
+TOKENIZER_OF = {"tiny-teacher": "tiny", "tiny-student": "tiny", "tiny-teacher-other": "tiny_other"}
 # Pre-training recipes. The teacher learns all training documents; the student base only the first half of
 # them (Genesis and part of Proverbs), so distilling on the whole corpus is a real domain transfer, as when a
 # generic 1B student learns a teacher's domain.
@@ -43,6 +50,7 @@ RECIPES: dict[str, dict[str, Any]] = {
     "tiny-teacher": {"steps": 400, "batch_size": 16, "seq_len": 128, "lr": 5e-3, "warmup": 20, "seed": 0, "docs": 1.0},
     "tiny-student": {"steps": 150, "batch_size": 16, "seq_len": 128, "lr": 3e-3, "warmup": 10, "seed": 1, "docs": 0.5},
 }
+RECIPES["tiny-teacher-other"] = RECIPES["tiny-teacher"]
 
 
 def cache_root() -> Path:
@@ -54,18 +62,26 @@ def max_positions(name: str) -> int:
     return int(ARCHS[name]["max_position_embeddings"])
 
 
+def vocab_size(name: str) -> int:
+    """The vocabulary of a zoo model's tokenizer, known without building it."""
+    return int(TOKENIZERS[TOKENIZER_OF[name]]["vocab_size"])
+
+
 def _digest(*parts: Any) -> str:
     h = hashlib.sha256(EMBEDDED_CORPUS.read_bytes())
     h.update(json.dumps([ZOO_VERSION, SPLIT, *parts], sort_keys=True).encode())
     return h.hexdigest()[:16]
 
 
-def tokenizer_dir() -> Path:
-    """The tiny tokenizer (byte-level BPE on the embedded corpus' training documents), built once."""
-    with built_once(cache_root(), f"tokenizer-{_digest(TOKENIZER, SPECIAL_TOKENS)}") as (final, tmp):
+def tokenizer_dir(which: str = "tiny") -> Path:
+    """A zoo tokenizer, trained on the embedded corpus' training documents, built once: ``tiny`` (byte-level BPE)
+    or ``tiny_other`` (SentencePiece-style pieces with byte fallback)."""
+    spec = TOKENIZERS[which]
+    name = "tokenizer" if which == "tiny" else f"tokenizer-{which}"  # the first one's name and key as before
+    with built_once(cache_root(), f"{name}-{_digest(spec, SPECIAL_TOKENS)}") as (final, tmp):
         if tmp is not None:
-            log.info("building the tiny tokenizer (once) in %s", final)
-            _train_tokenizer().save_pretrained(tmp)
+            log.info("building the %s tokenizer (once) in %s", which, final)
+            (_train_tokenizer if which == "tiny" else _train_other_tokenizer)().save_pretrained(tmp)
     return final
 
 
@@ -87,12 +103,32 @@ def _train_tokenizer() -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS)
 
 
+def _train_other_tokenizer() -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=SPECIAL_TOKENS["unk_token"], byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence([decoders.Metaspace(), decoders.ByteFallback(), decoders.Fuse()])
+    trainer = trainers.BpeTrainer(
+        vocab_size=OTHER_TOKENIZER["vocab_size"],
+        min_frequency=OTHER_TOKENIZER["min_frequency"],
+        special_tokens=[*SPECIAL_TOKENS.values(), *(f"<0x{b:02X}>" for b in range(256))],
+        limit_alphabet=100,
+        show_progress=False,
+    )
+    tok.train_from_iterator(embedded_corpus(**SPLIT).train, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS)
+
+
 def model_dir(name: str) -> Path:
     """HF directory of zoo model ``name`` (weights + config + tokenizer), built and cached on first use."""
     if name not in ARCHS:
         raise ValueError(f"unknown zoo model {name!r}; known: {', '.join(ARCHS)}")
-    tok_dir = tokenizer_dir()
-    key = _digest(TOKENIZER, SPECIAL_TOKENS, ARCHS[name], RECIPES[name])
+    which = TOKENIZER_OF[name]
+    tok_dir = tokenizer_dir(which)
+    spec = TOKENIZERS[which] if which != "tiny" else TOKENIZER
+    key = _digest(spec, SPECIAL_TOKENS, ARCHS[name], RECIPES[name])
     with built_once(cache_root(), f"{name}-{key}") as (final, tmp):
         if tmp is not None:
             log.info("pre-training the embedded %s (once) into %s", name, final)

@@ -26,6 +26,7 @@ Pure Python: no tokenizer, no torch.
 from __future__ import annotations
 
 import functools
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
@@ -139,6 +140,17 @@ def _byte_level_alphabet() -> dict[str, int]:
     return {c: b for b, c in stand_in.items()}
 
 
+def byte_level(tokenizer_json: dict) -> bool | None:
+    """From a tokenizer.json: True for byte-level BPE (``Ġ``), False for SentencePiece-style pieces (``▁``, byte
+    fallback), None for a convention whose pieces cannot be read back into bytes (WordPiece's ``##``, a word list)."""
+    kinds = json.dumps([tokenizer_json.get("decoder"), tokenizer_json.get("pre_tokenizer")])
+    if "ByteLevel" in kinds:
+        return True
+    if "Metaspace" in kinds or "ByteFallback" in kinds or "\\u2581" in kinds:  # ▁, as json.dumps writes it
+        return False
+    return None
+
+
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -172,4 +184,4 @@ def shared_vocab(student: Iterable[tuple[int, bytes, bool]], teacher: Iterable[t
     return sorted((i, t[text]) for text, i in s.items() if text in t)
 
 
-__all__ = ["Alignment", "Offset", "Span", "align_spans", "piece_bytes", "shared_vocab", "snap"]
+__all__ = ["Alignment", "Offset", "Span", "align_spans", "byte_level", "piece_bytes", "shared_vocab", "snap"]

@@ -2,9 +2,10 @@
 teacher's logits on its own tokens of the same rows: :class:`~kdsweep.losses.aligned.Aligned`, on the student's
 positions.
 
-A span of student tokens ``a … b−1`` and teacher tokens ``c … d−1`` takes one KD term at student position ``a − 1``
-(which predicts token ``a``), when that position and the span's other positions ``a … b−2`` are trained (their
-labels are not ignored) and the teacher has a position ``c − 1`` before the span (its BOS, or earlier content). A
+A span of student tokens and teacher tokens ``c … d−1`` takes one KD term at the student position that predicts its
+first token (the student's sequence is its inputs and the targets that are not inputs, each with the position that
+predicts it: :class:`~kdsweep.teacher.reader.Read`), when that position and those predicting the span's other
+tokens are trained (their labels are not ignored) and the teacher has a position ``c − 1`` before the span. A
 span with trained positions that cannot take its term (part of it untrained, or no teacher position before it) is
 dropped and counted (:attr:`CrossTargets.dropped`), never silently; the row's first token has no position to train.
 """
@@ -37,7 +38,7 @@ class CrossTargets:
 
 def aligned_targets(
     row_spans: Sequence[Sequence[Span]],
-    student_ids: torch.Tensor,
+    reads: Sequence[Any],
     labels: torch.Tensor,
     teacher_ids: torch.Tensor,
     teacher_logits: torch.Tensor,
@@ -51,30 +52,31 @@ def aligned_targets(
     kl_divergence: str = "forward_kl",
     kl_beta: float = 0.5,
 ) -> CrossTargets:
-    """``row_spans[b]``: row b's spans; ``student_ids``/``labels`` ``[B, T]``; ``teacher_ids`` ``[B, Tt]`` and
-    ``teacher_logits`` ``[B, Tt, Vt]`` the teacher's rows of the same content. Positions are flattened row by row."""
-    B, T = student_ids.shape
+    """``row_spans[b]``: row b's spans over ``reads[b].student_ids`` (the student's tokens, each predicted by the
+    position ``reads[b].predictor`` gives) and the teacher's tokens ``teacher_ids`` ``[B, Tt]``, whose logits are
+    ``teacher_logits`` ``[B, Tt, Vt]``; ``labels`` ``[B, T]``. Student positions are flattened row by row."""
+    B, T = labels.shape
     Tt = teacher_ids.shape[1]
-    s_ids, trained = student_ids.tolist(), (labels != ignore_index).tolist()
-    t_ids = teacher_ids.tolist()
+    trained, t_ids = (labels != ignore_index).tolist(), teacher_ids.tolist()
     head, cont, cont_span, cont_token = [], [], [], []
     t_head, t_cont, t_cont_token, t_cont_span, t_cont_count, t_nll_rows = [], [], [], [], [], []
     extent, dropped = [], 0
-    for b, spans in enumerate(row_spans):
+    for b, (spans, read) in enumerate(zip(row_spans, reads)):
         for span in spans:
             (a, e), (c, d) = span.student, span.teacher
-            if a < 1:  # the row's first token: no student position predicts it, nothing to train
+            by = read.predictor[a:e]
+            if by[0] is None:  # a document's (or the row's) first token: no student position predicts it
                 continue
-            if c < 1 or not all(trained[b][a - 1:e - 1]):
-                dropped += int(any(trained[b][a - 1:e - 1]))  # a span of prompt tokens was never a KD position
+            if c < 1 or None in by or not all(trained[b][p] for p in by):
+                dropped += int(any(p is not None and trained[b][p] for p in by))  # a span of prompt tokens never was
                 continue
             k = len(extent)
-            extent.append((b * T + a - 1, b * T + e - 2))
-            head.append(b * T + a - 1)
-            for p in range(a, e - 1):
-                cont.append(b * T + p)
+            extent.append((b * T + by[0], b * T + by[-1]))
+            head.append(b * T + by[0])
+            for j in range(a + 1, e):
+                cont.append(b * T + read.predictor[j])
                 cont_span.append(k)
-                cont_token.append(s_ids[b][p + 1])
+                cont_token.append(read.student_ids[j])
             t_head.append(b * Tt + c - 1)
             for u in range(c, d - 1):
                 t_cont.append(b * Tt + u)
@@ -134,7 +136,7 @@ class CrossTokenizerTeacher:
         self.max_positions, self.pad_id = max_positions, pad_id
         self.weights, self.kl = (w_matched, w_unmatched), (kl_divergence, kl_beta)
         self.tokens_computed, self.tokens_read = 0, 0
-        self.spans, self.dropped, self.unaligned = 0, 0, 0
+        self.kd_spans, self.kd_spans_dropped, self.tokens_unaligned = 0, 0, 0
         """KD spans taken, spans that could not take a term, and student content tokens in no span (cut rows)."""
 
     @contextmanager
@@ -142,7 +144,8 @@ class CrossTokenizerTeacher:
         ids = batch.input_ids.tolist()
         starts = ([{k for k, p in enumerate(row) if p == 0} for row in batch.position_ids.tolist()]
                   if batch.position_ids is not None else [set()] * len(ids))
-        reads = [self.reader.read(row, doc) for row, doc in zip(ids, starts)]
+        reads = [self.reader.read(row, labels, doc, self.ignore_index)
+                 for row, labels, doc in zip(ids, batch.labels.tolist(), starts)]
         width = max(1, min(self.max_positions, max(len(r.teacher_ids) for r in reads)))
         t_ids = torch.full((len(ids), width), self.pad_id, dtype=torch.long)
         t_pos = torch.arange(width).repeat(len(ids), 1)
@@ -159,12 +162,12 @@ class CrossTokenizerTeacher:
         for r in reads:
             alignment = align_spans(r.text, r.student, r.teacher[:width])
             row_spans.append(alignment.spans)
-            self.unaligned += alignment.unaligned[0]
-        built = aligned_targets(row_spans, batch.input_ids, batch.labels, t_ids, logits, ignore_index=self.ignore_index,
+            self.tokens_unaligned += alignment.unaligned[0]
+        built = aligned_targets(row_spans, reads, batch.labels, t_ids, logits, ignore_index=self.ignore_index,
                                 student_vocab=self.student_vocab, loss=self.loss, vocab_map=self.vocab_map,
                                 w_matched=self.weights[0], w_unmatched=self.weights[1], kl_divergence=self.kl[0],
                                 kl_beta=self.kl[1])
-        self.spans, self.dropped = self.spans + built.spans, self.dropped + built.dropped
+        self.kd_spans, self.kd_spans_dropped = self.kd_spans + built.spans, self.kd_spans_dropped + built.dropped
         yield built.targets
 
 

@@ -12,6 +12,7 @@ import torch
 from kdsweep.config.schema import RunConfig
 from kdsweep.data.dataset import RunData
 from kdsweep.distributed import DistEnv
+from kdsweep.models.check import cross_tokenizer
 from kdsweep.teacher.source import TeacherSource
 from kdsweep.data.sampling import StepSampler
 from kdsweep.teacher.build import Selection, ensure
@@ -40,14 +41,70 @@ class Teacher:
     def tokens(self) -> dict[str, int]:
         """Teacher tokens (positions) computed by a model and read from a cache, by this rank so far."""
         sources = {id(s): s for s in (self.train, self.eval)}.values()
-        return {"teacher_tokens_computed": sum(s.tokens_computed for s in sources),
-                "teacher_tokens_read": sum(s.tokens_read for s in sources)}
+        counts = {"teacher_tokens_computed": sum(s.tokens_computed for s in sources),
+                  "teacher_tokens_read": sum(s.tokens_read for s in sources)}
+        for name in ("kd_spans", "kd_spans_dropped", "tokens_unaligned"):  # a cross-tokenizer teacher's alignment
+            if all(hasattr(s, name) for s in sources):
+                counts[name] = sum(getattr(s, name) for s in sources)
+        return counts
 
 
 def vocab_size(model_dir: Path) -> int:
     from transformers import AutoConfig
 
     return int(AutoConfig.from_pretrained(model_dir).get_text_config().vocab_size)
+
+
+def check_reads(reader: Any, data: RunData, section: str, rows: int = 16) -> None:
+    """The teacher reads the first training rows back as the same text (one line, before the first step, if its
+    tokenizer changes the text: lossy normalisation)."""
+    from kdsweep.config.schema import ConfigError
+    from kdsweep.teacher.align import align_spans
+
+    batch = data.train.batch(torch.arange(min(rows, len(data.train))))
+    for row in batch.input_ids.tolist():
+        read = reader.read(row)
+        try:
+            align_spans(read.text, read.student, read.teacher)
+        except ValueError as e:
+            raise ConfigError(f"{section}: its tokenizer does not give the data's text back as it is ({e}); "
+                              "use a teacher whose tokenizer keeps the text, or one with the student's tokenizer") from None
+
+
+def cross_teacher(cfg: RunConfig, model: torch.nn.Module, teacher_dir: Path, student_dir: Path, data: RunData,
+                  device: torch.device) -> Teacher:
+    """A live teacher with its own tokenizer: it reads each row in its tokens, its targets come on the student's."""
+    from transformers import AutoConfig
+
+    from kdsweep.models.load import load_tokenizer
+    from kdsweep.teacher.cross import CrossTokenizerTeacher, vocab_map_of
+    from kdsweep.teacher.reader import RowReader
+
+    s_tok, t_tok = load_tokenizer(student_dir), load_tokenizer(teacher_dir)
+    t_conf = AutoConfig.from_pretrained(teacher_dir).get_text_config()
+    vocab_map = vocab_map_of(s_tok, t_tok, int(t_conf.vocab_size)).to(device)
+    loss = cfg.loss
+    reader = RowReader(s_tok, t_tok)
+    check_reads(reader, data, "teacher")
+    source = CrossTokenizerTeacher(
+        model, reader, vocab_map, loss=loss.cross_tokenizer, ignore_index=loss.ignore_index,
+        student_vocab=len(s_tok), max_positions=int(t_conf.max_position_embeddings),
+        pad_id=t_tok.pad_token_id if t_tok.pad_token_id is not None else t_tok.eos_token_id,
+        w_matched=loss.gold_matched_weight, w_unmatched=loss.gold_unmatched_weight, kl_divergence=loss.divergence,
+        kl_beta=loss.beta)
+    w_m = vocab_map.matched_share if loss.gold_matched_weight is None else loss.gold_matched_weight
+    w_u = 1.0 - w_m if loss.gold_unmatched_weight is None else loss.gold_unmatched_weight
+    log.info("teacher: its own tokenizer (%d tokens; the student's %d; %d shared): %s over aligned spans%s",
+             len(t_tok), len(s_tok), len(vocab_map.teacher), loss.cross_tokenizer,
+             f", weights {w_m:.3f} (shared: {loss.divergence}) and {w_u:.3f} (ULD)" if loss.cross_tokenizer == "gold" else "")
+    distance = (f"gold ({w_m:.4g}·{loss.divergence} over the shared tokens + {w_u:.4g}·ULD over the rest)"
+                if loss.cross_tokenizer == "gold" else "ULD (sorted-probability L1)")
+    record = {"source": "live", "cross_tokenizer": {
+        "loss": loss.cross_tokenizer, "student_vocab": len(s_tok), "teacher_vocab": len(t_tok),
+        "shared_tokens": len(vocab_map.teacher), "w_matched": w_m, "w_unmatched": w_u},
+        "teacher_ce": "the teacher's cross-entropy of the same text (its own tokens), per student token",
+        "kl": f"{distance} between the two models' distributions over each aligned span, at T=1, per student token"}
+    return Teacher(source, source, record)
 
 
 def open_teacher(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: RunData, dist: DistEnv,
@@ -67,7 +124,10 @@ def open_teacher(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: Run
             return digest, cfg.train.dtype, str(device), dist.world_size, (
                 d.mixed_precision, d.reshard_after_forward, d.cpu_offload, d.compile)
 
-        live = LiveTeacher(keep("live_teacher", key, load), fused=cfg.loss.impl == "fused")
+        model = keep("live_teacher", key, load)
+        if cross_tokenizer(cfg):
+            return cross_teacher(cfg, model, teacher_dir, student_dir, data, device)
+        live = LiveTeacher(model, fused=cfg.loss.impl == "fused")
         return Teacher(live, live, {"source": "live", "teacher_ce": "exact", "kl": "exact (T=1)"})
 
     spec = Spec.of(cfg, min(vocab_size(teacher_dir), vocab_size(student_dir)))

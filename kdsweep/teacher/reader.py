@@ -18,22 +18,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kdsweep.config.schema import ConfigError
-from kdsweep.teacher.align import Offset, piece_bytes
+from kdsweep.teacher.align import Offset, byte_level, piece_bytes
 
 
 def is_byte_level(tokenizer: Any) -> bool | None:
     """True for byte-level BPE (``Ġ``), False for SentencePiece-style pieces (``▁``, byte fallback), None for a
-    convention kdsweep cannot read back into bytes (WordPiece's ``##``, a slow tokenizer)."""
+    convention kdsweep cannot read back into bytes (WordPiece's ``##``, a word list, a slow tokenizer)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return None
-    spec = json.loads(backend.to_str())
-    kinds = json.dumps([spec.get("decoder"), spec.get("pre_tokenizer")])
-    if "ByteLevel" in kinds:
-        return True
-    if "Metaspace" in kinds or "ByteFallback" in kinds or "\u2581" in kinds:
-        return False
-    return None
+    return None if backend is None else byte_level(json.loads(backend.to_str()))
 
 
 MARKERS = ("\ue000", "\ue001")
@@ -42,13 +34,16 @@ MARKERS = ("\ue000", "\ue001")
 
 @dataclass
 class Read:
-    """One student row as the teacher reads it (offsets are bytes of ``text``)."""
+    """One student row as the teacher reads it (offsets are bytes of ``text``). The student's side is its sequence
+    of tokens, inputs and the targets that are not inputs, each with the position that predicts it (None: none)."""
 
     text: str
     student: list[Offset]
     teacher_ids: list[int]
     teacher: list[Offset]
     teacher_positions: list[int] = field(default_factory=list)
+    student_ids: list[int] = field(default_factory=list)
+    predictor: list[int | None] = field(default_factory=list)
 
 
 class RowReader:
@@ -71,10 +66,13 @@ class RowReader:
         t_pieces = teacher.convert_ids_to_tokens(list(range(len(teacher))))
         self.t_pieces = [b"" if i in t_special else piece_bytes(p, self.t_level)[0] for i, p in enumerate(t_pieces)]
 
-    def read(self, ids: list[int], doc_starts: set[int] = frozenset()) -> Read:
-        """``ids``: one student row; ``doc_starts``: its token indices where a packed document begins (its position
-        ids restart)."""
-        text, student, seg_start = [], [], 0  # text: one character per byte, and one marker per BOS/EOS pair
+    def read(self, ids: list[int], labels: list[int] | None = None, doc_starts: set[int] = frozenset(),
+             ignore_index: int = -100) -> Read:
+        """``ids``: one student row; ``labels``: its targets (``labels[t]`` is what position t predicts); ``doc_starts``:
+        the positions where a packed document begins (its position ids restart). A target that is not the next input
+        (the EOS a packed document ends with, the token past the row's end) is part of the student's sequence too,
+        predicted by its position, so that the teacher reads it and the spans hold it."""
+        text, seq, student, predictor, seg_start = [], [], [], [], 0  # text: a character per byte, a marker per BOS/EOS
         t_ids, t_off, t_pos = [], [], []
         pos = 0
 
@@ -87,20 +85,22 @@ class RowReader:
                 t_pos.append(pos)
                 pos += 1
 
-        for k, token in enumerate(ids):
-            if k in doc_starts and k > 0:
-                flush()
-                seg_start, pos = len(text), 0
+        def add(token: int, by: int | None) -> bool:
+            """The student's token ``token``, predicted by position ``by``; False at padding (the row's end)."""
+            nonlocal seg_start, pos
             piece = self.pieces[token] if 0 <= token < len(self.pieces) else None
             if piece is not None:
+                seq.append(token)
+                predictor.append(by)
                 student.append((len(text), len(text) + len(piece)))
-                text += [chr(b) for b in piece]
-                continue
+                text.extend(chr(b) for b in piece)
+                return True
             flush()
             if token == self.s_pad and token not in (self.s_bos, self.s_eos):
-                student.append(None)
-                break  # a padded row's end: nothing more for the teacher
+                return False
             own = self.t_bos if token == self.s_bos else self.t_eos if token == self.s_eos else None
+            seq.append(token)
+            predictor.append(by)
             if own is None:  # a special token the teacher has no counterpart of: not aligned
                 student.append(None)
             else:  # the student's BOS/EOS and the teacher's own cover one marker character: a span of their own
@@ -112,9 +112,23 @@ class RowReader:
                 t_pos.append(pos)
                 pos += 1
             seg_start = len(text)
+            return True
+
+        last = len(ids) - 1
+        for t, token in enumerate(ids):
+            start = t in doc_starts and t > 0
+            if start:
+                flush()
+                seg_start, pos = len(text), 0
+            shifted = t > 0 and not start and (labels is None or labels[t - 1] in (token, ignore_index))
+            if not add(token, t - 1 if shifted else None):
+                break
+            target = None if labels is None else labels[t]
+            if target is not None and target != ignore_index and (t == last or target != ids[t + 1] or t + 1 in doc_starts):
+                if not add(target, t):
+                    break
         flush()
-        student += [None] * (len(ids) - len(student))
-        return Read("".join(text), student, t_ids, t_off, t_pos)
+        return Read("".join(text), student, t_ids, t_off, t_pos, seq, predictor)
 
     def _teacher_tokens(self, segment: bytes, base: int) -> list[tuple[int, Offset]]:
         """The teacher's tokens of ``segment`` (bytes at ``base`` of the row) with byte offsets; runs of bytes that are

@@ -72,7 +72,8 @@ def test_real_model_presets_are_local_directories_or_hub_ids(group, monkeypatch)
     from kdsweep.hub import HUB_ID
 
     for option in sorted(p.stem for p in (Path(conf_dir()) / group).glob("*.yaml")):
-        if option == "tiny":
+        if option in ("tiny", "tiny_other"):  # the embedded zoo's
+            assert getattr(convert([f"{group}={option}"]), group).zoo.startswith("tiny-")
             continue
         monkeypatch.delenv("KDSWEEP_CKPTS", raising=False)
         hub = getattr(convert([f"{group}={option}"]), group).path

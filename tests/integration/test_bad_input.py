@@ -15,6 +15,7 @@ def dirs(tmp_path_factory):
     (root / "empty.jsonl").write_text("")
     (root / "no_text.jsonl").write_text('{"content": "x"}\n' * 3)
     (root / "no_output.jsonl").write_text('{"instruction": "say hi", "input": "", "response": "hi"}\n' * 3)
+    (root / "instructions.jsonl").write_text('{"instruction": "say hi", "input": "", "output": "hi"}\n' * 3)
     (root / "chat.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n' * 3)
     (root / "chat_no_messages.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"text": "x"}\n')
     (root / "table.xlsx").write_text("x")
@@ -34,7 +35,19 @@ CASES = {
     "temperature": (["loss.temperature=0"], "loss.temperature"),
     "missing_path": (["model.path=/does/not/exist"], "model.path=/does/not/exist does not exist"),
     "not_hf_dir": (["model.path={root}/not_a_model"], "not a Hugging Face model directory"),
-    "tokenizers": (["model.path={root}/student_a", "teacher.path={root}/teacher_b", "data.seq_len=16"], "different tokenizers"),
+    "tokenizers": (["model.path={root}/student_a", "teacher.path={root}/teacher_b", "data.seq_len=16"],
+                   "model.path={root}/student_a: its tokenizer writes tokens in a convention kdsweep cannot read back"),
+    "cross_tokenizer_cache": (["teacher=tiny_other", "teacher.logits=cache"],
+                              "teacher.logits=cache does not hold the targets of a teacher with another tokenizer"),
+    "cross_tokenizer_fused": (["teacher=tiny_other", "loss.impl=fused"], "loss.impl=fused cannot serve a teacher with"),
+    "cross_tokenizer_rollout": (["teacher=tiny_other", "rollout.seq_kd=true", "data=instruction",
+                                 "data.datasets.0.path={root}/instructions.jsonl"],
+                                "generation with a teacher of another tokenizer"),
+    "cross_tokenizer_chat": (["teacher=tiny_other", "data=chat", "data.datasets.0.path={root}/chat.jsonl",
+                              "data.chat_template={root}/chat.jinja"],
+                             "data.datasets[0].format=chat: a teacher with another tokenizer reads plain text only"),
+    "cross_tokenizer_weights": (["teacher=tiny_other", "loss.gold_matched_weight=0.5"],
+                                "loss.gold_matched_weight=0.5 and loss.gold_unmatched_weight=None: give both"),
     "empty_data": (["data=text", "data.datasets.0.path={root}/empty.txt"], "data.datasets[0].path: {root}/empty.txt is empty"),
     "empty_jsonl": (["data=instruction", "data.datasets.0.path={root}/empty.jsonl"], "{root}/empty.jsonl is empty"),
     "missing_text_column": (["data=text", "data.datasets.0.path={root}/no_text.jsonl"], "no column 'text' (columns: content)"),

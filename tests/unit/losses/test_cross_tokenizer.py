@@ -162,8 +162,14 @@ from kdsweep.losses import kd_loss_sums  # noqa: E402
 from kdsweep.losses.targets import Logits  # noqa: E402
 from kdsweep.teacher.align import Span  # noqa: E402
 from kdsweep.teacher.cross import aligned_targets  # noqa: E402
+from kdsweep.teacher.reader import Read  # noqa: E402
 
 B, T, IGNORE = 2, 7, -100
+
+
+def reads_of(ids):
+    """Rows whose targets are their next inputs: token j is predicted by position j − 1."""
+    return [Read("", [], [], [], student_ids=row, predictor=[None, *range(len(row) - 1)]) for row in ids.tolist()]
 
 
 def rows(seed, vocab):
@@ -179,7 +185,7 @@ def test_one_tokenizer_through_the_cross_tokenizer_path_gives_the_same_tokenizer
     spans = [[Span((a, a + 1), (a, a + 1), (a, a + 1)) for a in range(T)] for _ in range(B)]
     identity = VocabMap.of([(i, i) for i in range(VS)], VS, VS)
     for divergence in DIVERGENCES:
-        built = aligned_targets(spans, ids, labels, ids, t_logits, ignore_index=IGNORE, student_vocab=VS, loss="gold",
+        built = aligned_targets(spans, reads_of(ids), labels, ids, t_logits, ignore_index=IGNORE, student_vocab=VS, loss="gold",
                                 vocab_map=identity, kl_divergence="forward_kl")
         assert built.dropped == 0 and built.spans == int((labels != IGNORE).sum())
         for chunks in (1, 3):
@@ -210,7 +216,7 @@ def cross_case():
 @pytest.mark.parametrize("loss", ["gold", "uld"])
 def test_span_targets_match_the_reference_and_no_chunking_changes_them(loss):
     ids, labels, t_ids, t_logits, spans = cross_case()
-    built = aligned_targets(spans, ids, labels, t_ids, t_logits, ignore_index=IGNORE, student_vocab=VS, loss=loss,
+    built = aligned_targets(spans, reads_of(ids), labels, t_ids, t_logits, ignore_index=IGNORE, student_vocab=VS, loss=loss,
                             vocab_map=VocabMap.of(PAIRS, VS, VT))
     assert built.spans == 6 and built.dropped == 1  # row 1's span over the untrained position 1
     s_logits = rand(B, T, VS, seed=6)

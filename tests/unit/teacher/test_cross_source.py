@@ -28,28 +28,32 @@ def tiny_model(vocab: int, seed: int):
 
 
 def student_batch(kind: str, packed: bool, T: int = 100) -> Batch:
-    """Two rows of the embedded conventions: BOS, documents joined by EOS (packed: positions restart per document),
-    then padding (``T`` = 40 cuts row 0 inside a word); labels are the next tokens (the row's last, the padding's and
-    row 1's first two not trained)."""
+    """Two rows as kdsweep's data makes them. Packed: each document its own positions (from 0), its last token's
+    target the EOS, which is no input. Not packed (a stream): BOS, documents joined by EOS inputs, every target the
+    next token. A row cut at ``T`` (40 cuts row 0 inside a word) keeps the target past its end; then padding, never
+    a target; row 1's first two targets are not trained."""
     tok = tokenizer(kind)
-    rows, positions = [], []
+    rows, positions, targets = [], [], []
     for docs in ((TEXTS[0], TEXTS[2]), (TEXTS[1], TEXTS[3])):
-        ids, pos = [tok.bos_token_id], [0]
-        for n, d in enumerate(docs):
-            doc = tok(d, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-            first = len(pos) if n == 0 else 0  # the first document holds the BOS
-            pos += list(range(first, first + len(doc)))
-            ids += doc
-        ids, pos = ids[:T], pos[:T]
-        pos += list(range(T - len(ids)))  # the padding tail: its own document
-        ids += [tok.pad_token_id] * (T - len(ids))
-        rows.append(ids)
-        positions.append(pos)
-    input_ids = torch.tensor(rows)
-    labels = torch.cat([input_ids[:, 1:], torch.full((2, 1), IGNORE)], dim=1)
-    labels[(input_ids == tok.pad_token_id) | (labels == tok.pad_token_id)] = IGNORE  # padding is never a target
+        ids, pos, tgt = [], [], []  # the whole row before the cut: inputs, positions, each input's target
+        if not packed:
+            ids, pos = [tok.bos_token_id], [0]
+        for d in docs:
+            doc = tok(d, add_special_tokens=False)["input_ids"]
+            if packed:
+                ids, pos, tgt = ids + doc, pos + list(range(len(doc))), tgt + doc[1:] + [tok.eos_token_id]
+            else:
+                ids += doc + [tok.eos_token_id]
+        if not packed:
+            pos, tgt = list(range(len(ids))), ids[1:] + [IGNORE]
+        ids, pos, tgt = ids[:T], pos[:T], tgt[:T]
+        n = len(ids)
+        rows.append(ids + [tok.pad_token_id] * (T - n))
+        positions.append(pos + list(range(T - n)))  # the padding tail: its own document
+        targets.append(tgt + [IGNORE] * (T - n))
+    labels = torch.tensor(targets)
     labels[1, :2] = IGNORE
-    return Batch(input_ids, labels, position_ids=torch.tensor(positions) if packed else None)
+    return Batch(torch.tensor(rows), labels, position_ids=torch.tensor(positions) if packed else None)
 
 
 def source(student_kind: str, teacher_kind: str, model, loss="gold"):
@@ -71,8 +75,8 @@ def test_the_students_own_tokenizer_through_the_cross_path_is_the_live_teacher(p
             got = kd_loss_sums(s_logits, aligned, batch.labels, **kw)
         for a, b in zip(got, want):
             assert a.item() == pytest.approx(b.item(), rel=1e-5, abs=1e-6), divergence
-    assert cross.dropped == 0 and cross.unaligned == 0 and (batch.input_ids[:, -1] == tokenizer("byte_level").pad_token_id).all()
-    assert cross.spans == len(DIVERGENCES) * int((batch.labels != IGNORE).sum())
+    assert cross.kd_spans_dropped == 0 and cross.tokens_unaligned == 0 and (batch.input_ids[:, -1] == tokenizer("byte_level").pad_token_id).all()
+    assert cross.kd_spans == len(DIVERGENCES) * int((batch.labels != IGNORE).sum())
 
 
 def test_a_teacher_of_another_tokenizer_reads_the_same_text_and_trains_what_aligns():
@@ -80,10 +84,11 @@ def test_a_teacher_of_another_tokenizer_reads_the_same_text_and_trains_what_alig
     s, t = tokenizer("byte_level"), tokenizer("metaspace")
     assert is_byte_level(s) is True and is_byte_level(t) is False
     reader = RowReader(s, t)
-    read = reader.read(batch.input_ids[0].tolist(), {k for k, p in enumerate(batch.position_ids[0].tolist()) if p == 0})
+    read = reader.read(batch.input_ids[0].tolist(), batch.labels[0].tolist(),
+                       {k for k, p in enumerate(batch.position_ids[0].tolist()) if p == 0})
     # the teacher's tokens are its own reading of the same documents, with its own BOS and EOS between them
     content = [i for i in read.teacher_ids if i not in (t.bos_token_id, t.eos_token_id)]
-    assert read.teacher_ids[0] == t.bos_token_id and t.eos_token_id in read.teacher_ids
+    assert t.eos_token_id in read.teacher_ids  # the EOS that ends the first document, which the student only predicts
     assert t.decode(content).replace(" ", "") in (TEXTS[0] + TEXTS[2]).replace(" ", "")
     assert read.teacher_positions[0] == 0 and read.teacher_positions.count(0) == 2  # two documents
     for loss in ("gold", "uld"):
@@ -97,7 +102,7 @@ def test_a_teacher_of_another_tokenizer_reads_the_same_text_and_trains_what_alig
         heads = aligned.head.tolist()
         # KD terms only at trained positions; the row cut inside a word leaves its tail unaligned and counted
         assert all(batch.labels.reshape(-1)[h] != IGNORE for h in heads)
-        assert 0 < cross.spans < int((batch.labels != IGNORE).sum())
+        assert 0 < cross.kd_spans < int((batch.labels != IGNORE).sum())
         untouched = torch.ones(logits.shape[:2], dtype=torch.bool).reshape(-1)
         untouched[heads] = False
         untouched[aligned.cont.tolist()] = False

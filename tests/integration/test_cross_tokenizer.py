@@ -1,0 +1,78 @@
+"""A teacher with another tokenizer (kdsweep.teacher.cross), as whole jobs on the embedded zoo: the second teacher
+(teacher=tiny_other, its own SentencePiece-style BPE) distils into the tiny student with gold and uld, run.json
+says what the numbers are and counts what did not align; the tiny teacher forced through the cross-tokenizer path
+(a test-only switch) gives the same-tokenizer run's numbers."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from conftest import QUIET, kdsweep, read_metrics, read_run
+
+pytestmark = pytest.mark.slow
+
+SHORT = ["train.max_steps=6", "train.eval_every=3", "data.batch_size=8", "data.micro_batch_size=4", "train.threads=1",
+         "checkpoint.save_every=0", "checkpoint.export_adapter=false", "checkpoint.export_merged=false", *QUIET]
+
+
+@pytest.fixture(scope="module")
+def cross_runs(tmp_path_factory, zoo_dirs):
+    root = tmp_path_factory.mktemp("cross")
+    runs = {}
+    for loss in ("gold", "uld"):
+        runs[loss] = root / loss
+        kdsweep("teacher=tiny_other", f"loss.cross_tokenizer={loss}", *SHORT, f"hydra.run.dir={runs[loss]}", cwd=root)
+    return runs
+
+
+def test_the_second_teacher_distils_across_tokenizers_and_says_what_its_numbers_are(cross_runs):
+    for loss, run_dir in cross_runs.items():
+        record = read_run(run_dir)
+        cross = record["teacher_targets"]["cross_tokenizer"]
+        assert record["status"] == "completed" and cross["loss"] == loss
+        assert cross["student_vocab"] == 2048 and cross["teacher_vocab"] == 1536 and 0 < cross["shared_tokens"] < 1536
+        assert "per student token" in record["teacher_targets"]["teacher_ce"]
+        assert ("gold" if loss == "gold" else "ULD") in record["teacher_targets"]["kl"]
+        counts = record["alignment"]
+        assert counts["kd_spans"] > 0 and counts["kd_spans_dropped"] >= 0 and counts["tokens_unaligned"] >= 0
+        rows = read_metrics(run_dir)
+        assert all(math.isfinite(r["kd"]) and r["kd"] > 0 for r in rows if r["kind"] == "train")
+        evals = [r for r in rows if r["kind"] == "eval"]
+        assert evals and all(math.isfinite(r["teacher_ce"]) and r["teacher_ce"] > 0 for r in evals)
+        assert record["cost"]["teacher_tokens_computed"] > 0
+
+
+@pytest.fixture(scope="module")
+def short_docs(tmp_path_factory):
+    """Sentences of the shipped corpus, one document each: packed rows hold whole documents (none is cut)."""
+    from kdsweep.data.text import EMBEDDED_CORPUS
+
+    sentences = [s.strip() + "." for s in Path(EMBEDDED_CORPUS).read_text().split(". ")]
+    lines = [s for s in sentences if 40 < len(s) < 160]
+    path = tmp_path_factory.mktemp("verses") / "verses.jsonl"
+    path.write_text("".join(json.dumps({"text": line}) + "\n" for line in lines[:400]))
+    return path
+
+
+def test_one_tokenizer_forced_through_the_cross_tokenizer_path_gives_the_same_numbers(short_docs, tmp_path, zoo_dirs,
+                                                                                      monkeypatch):
+    data = ["data=text", f"data.datasets.0.path={short_docs}", "data.sequences=pack", "data.seq_len=128",
+            "data.eval_fraction=0.1"]
+    plain, forced = tmp_path / "plain", tmp_path / "forced"
+    kdsweep(*data, *SHORT, f"hydra.run.dir={plain}", cwd=tmp_path)
+    monkeypatch.setenv("KDSWEEP_TEST_FORCE_CROSS_TOKENIZER", "1")  # the job's processes read it
+    kdsweep(*data, *SHORT, f"hydra.run.dir={forced}", cwd=tmp_path)
+    a, b = read_run(plain), read_run(forced)
+    assert "cross_tokenizer" in b["teacher_targets"] and "cross_tokenizer" not in a["teacher_targets"]
+    assert b["alignment"]["kd_spans_dropped"] == 0 and b["alignment"]["tokens_unaligned"] == 0
+    assert b["objective"] == pytest.approx(a["objective"], abs=1e-6)
+    rows_a, rows_b = read_metrics(plain), read_metrics(forced)
+    assert [(r["kind"], r["step"]) for r in rows_a] == [(r["kind"], r["step"]) for r in rows_b]
+    for x, y in zip(rows_a, rows_b):
+        for key in ("loss", "ce", "kd", "kl", "student_ce", "teacher_ce", "grad_norm"):
+            if key in x:
+                assert y[key] == pytest.approx(x[key], abs=1e-6, rel=1e-6), (x["kind"], x["step"], key)
