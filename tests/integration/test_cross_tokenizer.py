@@ -76,3 +76,18 @@ def test_one_tokenizer_forced_through_the_cross_tokenizer_path_gives_the_same_nu
         for key in ("loss", "ce", "kd", "kl", "student_ce", "teacher_ce", "grad_norm"):
             if key in x:
                 assert y[key] == pytest.approx(x[key], abs=1e-6, rel=1e-6), (x["kind"], x["step"], key)
+
+
+def test_two_ranks_equal_one_rank_across_tokenizers(cross_runs, tmp_path):
+    two = tmp_path / "two"
+    kdsweep("teacher=tiny_other", "loss.cross_tokenizer=gold", *SHORT, "dist.nproc_per_node=2", f"hydra.run.dir={two}",
+            cwd=tmp_path)
+    one = cross_runs["gold"]
+    assert read_run(two)["world_size"] == 2
+    assert read_run(two)["objective"] == pytest.approx(read_run(one)["objective"], abs=1e-5)
+    assert read_run(two)["alignment"] == read_run(one)["alignment"]  # every span once, whichever rank reads it
+    for x, y in zip(read_metrics(one), read_metrics(two), strict=True):
+        assert (x["kind"], x["step"]) == (y["kind"], y["step"])
+        for key in ("loss", "ce", "kd", "kl", "student_ce", "teacher_ce", "grad_norm"):
+            if key in x:
+                assert y[key] == pytest.approx(x[key], abs=1e-5, rel=1e-5), (x["kind"], x["step"], key)
