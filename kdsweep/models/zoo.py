@@ -2,7 +2,9 @@
 
 Nothing is downloaded. The first use trains a byte-level BPE tokenizer on the embedded corpus, pre-trains a
 small Llama teacher and a smaller Llama student base on the corpus' training split, and saves each as an
-ordinary Hugging Face directory, so they load through the very code that loads ``/ckpts/Llama-3.2-1B``.
+ordinary Hugging Face directory, so they load through the very code that loads ``/ckpts/Llama-3.2-1B``. A second
+teacher (``tiny-teacher-other``) is the same architecture and recipe in its own tokenizer (SentencePiece-style BPE
+with byte fallback, another vocabulary): with the tiny student, a cross-tokenizer pair.
 Each artefact is cached under ``$KDSWEEP_CACHE`` (default ``~/.cache/kdsweep``) in a directory named by a
 hash of everything that determines it; concurrent builders wait on a file lock and the directory appears by
 an atomic rename, so a killed build never leaves a half-written model behind.

@@ -3,5 +3,8 @@
 The training step and the evaluation ask a :class:`~kdsweep.teacher.source.TeacherSource` for the targets of each micro-batch
 (:mod:`kdsweep.losses.targets`) and never see a teacher module. :class:`~kdsweep.teacher.live.LiveTeacher` runs the
 frozen model; :class:`~kdsweep.teacher.cached.CachedTeacher` memory-maps what one teacher pass wrote beside the
-tokenization cache (:mod:`kdsweep.teacher.cache`), so a job that reads it never loads the teacher.
+tokenization cache (:mod:`kdsweep.teacher.cache`), so a job that reads it never loads the teacher;
+:class:`~kdsweep.teacher.cross.CrossTokenizerTeacher` runs a teacher with another tokenizer on its own reading of
+each row (:mod:`kdsweep.teacher.reader`) and gives its targets on the student's positions, span by span
+(:mod:`kdsweep.teacher.align`).
 """
