@@ -43,7 +43,9 @@ CROSS_TOKENIZER_LOSSES = ("gold", "uld")
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
     """``log(1 − e^x)`` for x ≤ 0, accurate near 0 and far below it (−inf at x = 0)."""
     x = x.clamp_max(0.0)
-    return torch.where(x > -math.log(2.0), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+    safe = torch.where(x < 0, x, torch.full_like(x, -1.0))  # both branches are differentiated: none may see 0
+    value = torch.where(safe > -math.log(2.0), torch.log(-torch.expm1(safe)), torch.log1p(-torch.exp(safe)))
+    return torch.where(x < 0, value, torch.full_like(x, -math.inf))
 
 
 def merge(log_p: torch.Tensor, continuation: torch.Tensor) -> torch.Tensor:

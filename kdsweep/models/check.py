@@ -1,7 +1,7 @@
 """Cheap checks of model directories before anything is loaded (JSON reads only; no torch).
 
 They turn the usual ways a KD job dies minutes in — a wrong path, a hub id missing from the cache, a directory
-that is not an HF model, teacher and student with different tokenizers, a sequence longer than the model's
+that is not an HF model, teacher and student with tokenizers that cannot be aligned, a sequence longer than the model's
 context, a fused loss on a model that transforms its logits — into one line before the job starts.
 """
 
@@ -121,13 +121,6 @@ def check_cross_tokenizer(cfg: RunConfig) -> None:
     from kdsweep.teacher.align import byte_level
 
     fix = "or pick a teacher with the student's tokenizer"
-    for section, src in (("model", cfg.model), ("teacher", cfg.teacher)):
-        d = _source(section, src)[0] if src.path is not None else None  # the zoo's tokenizers are both readable
-        spec = Path(d) / "tokenizer.json" if d else None
-        if spec is not None and (not spec.is_file() or byte_level(json.loads(spec.read_text())) is None):
-            raise ConfigError(f"{section}.path={src.path}: its tokenizer writes tokens in a convention kdsweep cannot "
-                              "read back into text (byte-level BPE and SentencePiece-style pieces can), so it cannot "
-                              f"be aligned with the other model's; {fix}")
     if cfg.teacher.logits == "cache":
         raise ConfigError("teacher.logits=cache does not hold the targets of a teacher with another tokenizer yet; "
                           f"use teacher.logits=live, {fix}")
@@ -141,6 +134,14 @@ def check_cross_tokenizer(cfg: RunConfig) -> None:
         if ds.format != "text":
             raise ConfigError(f"data.datasets[{i}].format={ds.format}: a teacher with another tokenizer reads plain "
                               f"text only for now (it would read the student's template as text); use data=text, {fix}")
+    for section, src in (("model", cfg.model), ("teacher", cfg.teacher)):
+        d = _source(section, src)[0] if src.path is not None else None  # the zoo's tokenizers are both readable
+        spec = Path(d) / "tokenizer.json" if d else None
+        if spec is not None and (not spec.is_file() or byte_level(json.loads(spec.read_text())) is None):
+            other = "teacher" if section == "model" else "model"
+            raise ConfigError(f"{section}.path={src.path}: its tokenizer writes tokens in a convention kdsweep cannot "
+                              "read back into text (byte-level BPE and SentencePiece-style pieces can), so it cannot "
+                              f"be aligned with the {other}'s; pick a {other} with the same tokenizer as the {section}")
 
 
 def preflight_models(cfg: RunConfig) -> None:

@@ -9,8 +9,8 @@ or the reverse). Tokens that are not content are never aligned with the other si
 
 Boundaries are compared after moving each token's end left over whitespace (``snap``), so leading-space
 conventions agree: ``Ġword`` (byte-level BPE, the space in the token) and ``▁word`` (SentencePiece) end where
-``word`` ends; a token made only of whitespace is a span of its own where the other side has one too (two equal
-tokenizations give one-token spans throughout), else it joins the span after it. Tokens that end within what a
+``word`` ends; a token made only of whitespace is a span of its own where the other side has the same whitespace
+as a token (two equal tokenizations give one-token spans throughout), else it joins the span after it. Tokens that end within what a
 span just closed holds (the second byte of a multi-byte character split into byte tokens, byte-fallback tokens
 that each report the whole character) join that span too. A span that never closes (the sequence was cut
 inside it) is left out, and so are the tokens after the last closed span: :attr:`Alignment.unaligned` counts them.
@@ -67,12 +67,14 @@ def _content(offsets: Sequence[Offset]) -> list[int]:
     return [i for i, o in enumerate(offsets) if o is not None]
 
 
-def align_spans(text: str, student: Sequence[Offset], teacher: Sequence[Offset]) -> Alignment:
+def align_spans(text: str, student: Sequence[Offset], teacher: Sequence[Offset],
+                ignore: frozenset[int] = frozenset()) -> Alignment:
     """The spans of ``student`` and ``teacher`` tokens that cover the same characters of ``text``.
 
     Each side's content tokens must be in order (starts never decrease); a side may skip characters the other
     covers only where they are whitespace. Raises a one-line ValueError when the two sides cover different
-    non-space characters (one side's tokenizer changed the text: lossy normalisation)."""
+    non-space characters (one side's tokenizer changed the text: lossy normalisation); characters in ``ignore`` (that
+    one side could not be given) do not count."""
     s_idx, t_idx = _content(student), _content(teacher)
     s_start, t_start = [student[k][0] for k in s_idx], [teacher[k][0] for k in t_idx]
     s_raw, t_raw = [student[k][1] for k in s_idx], [teacher[k][1] for k in t_idx]
@@ -80,6 +82,7 @@ def align_spans(text: str, student: Sequence[Offset], teacher: Sequence[Offset])
     ns, nt = len(s_idx), len(t_idx)
     spans: list[Span] = []
     i = j = 0  # next content token of each side
+    closed = -1  # where the last span ended (whitespace stripped)
     while i < ns and j < nt:
         i0, j0 = i, j
         si, tj, s_far, t_far = s_end[i], t_end[j], s_raw[i], t_raw[j]
@@ -94,6 +97,14 @@ def align_spans(text: str, student: Sequence[Offset], teacher: Sequence[Offset])
                     break
             if si != tj:
                 break
+            if si == closed and s_far != t_far:  # whitespace only, and not the same whitespace: go on
+                if s_far < t_far and i < ns:
+                    si, s_far, i = max(si, s_end[i]), max(s_far, s_raw[i]), i + 1
+                elif t_far < s_far and j < nt:
+                    tj, t_far, j = max(tj, t_end[j]), max(t_far, t_raw[j]), j + 1
+                else:
+                    break
+                continue
             while i < ns and s_raw[i] <= s_far:  # tokens within what the span holds (bytes of one character)
                 i += 1
             while j < nt and t_raw[j] <= t_far:
@@ -110,15 +121,16 @@ def align_spans(text: str, student: Sequence[Offset], teacher: Sequence[Offset])
             break
         start = min(s_start[i0], t_start[j0])
         spans.append(Span((s_idx[i0], s_idx[i - 1] + 1), (t_idx[j0], t_idx[j - 1] + 1), (start, si)))
-    _check_same_text(text, student, teacher, s_idx[:i], t_idx[:j])
+        closed = si
+    _check_same_text(text, student, teacher, s_idx[:i], t_idx[:j], ignore)
     return Alignment(spans, (len(s_idx) - i, len(t_idx) - j))
 
 
 def _check_same_text(text: str, student: Sequence[Offset], teacher: Sequence[Offset], s_idx: list[int],
-                     t_idx: list[int]) -> None:
+                     t_idx: list[int], ignore: frozenset[int]) -> None:
     """The aligned tokens of both sides cover the same non-space characters."""
     def covered(offsets: Sequence[Offset], idx: list[int]) -> set[int]:
-        return {c for i in idx for c in range(*offsets[i]) if text[c] not in SPACE}
+        return {c for i in idx for c in range(*offsets[i]) if text[c] not in SPACE and c not in ignore}
 
     only_s, only_t = covered(student, s_idx) - covered(teacher, t_idx), covered(teacher, t_idx) - covered(student, s_idx)
     if only_s or only_t:

@@ -67,7 +67,9 @@ def aligned_targets(
             by = read.predictor[a:e]
             if by[0] is None:  # a document's (or the row's) first token: no student position predicts it
                 continue
-            if c < 1 or None in by or not all(trained[b][p] for p in by):
+            # the teacher needs a position before the span in the same document (its positions restart with each)
+            no_context = c < 1 or read.teacher_positions[c] == 0
+            if no_context or None in by or not all(trained[b][p] for p in by):
                 dropped += int(any(p is not None and trained[b][p] for p in by))  # a span of prompt tokens never was
                 continue
             k = len(extent)
@@ -113,7 +115,7 @@ def vocab_map_of(student: Any, teacher: Any, teacher_vocab: int) -> VocabMap:
     pairs = shared_vocab(entries(student), entries(teacher))
     t_special = {teacher.convert_ids_to_tokens(i): i for i in teacher.all_special_ids}
     specials = [(i, t_special.get(student.convert_ids_to_tokens(i))) for i in student.all_special_ids]
-    specials += [(getattr(student, f"{r}_token_id"), getattr(teacher, f"{r}_token_id")) for r in ("bos", "eos")]
+    specials += [(getattr(student, f"{r}_token_id"), getattr(teacher, f"{r}_token_id")) for r in ("eos", "bos")]
     taken_s, taken_t = set(), set()
     for a, b in specials:
         if a is not None and b is not None and a not in taken_s and b not in taken_t:
@@ -160,7 +162,12 @@ class CrossTokenizerTeacher:
             logits = self.model(input_ids=t_ids, position_ids=t_pos, use_cache=False).logits
         row_spans = []
         for r in reads:
-            alignment = align_spans(r.text, r.student, r.teacher[:width])
+            try:
+                alignment = align_spans(r.text, r.student, r.teacher[:width], r.skipped)
+            except ValueError:  # this row's text came back changed (check_reads saw none): no KD term, counted
+                row_spans.append([])
+                self.tokens_unaligned += sum(o is not None for o in r.student)
+                continue
             row_spans.append(alignment.spans)
             self.tokens_unaligned += alignment.unaligned[0]
         built = aligned_targets(row_spans, reads, batch.labels, t_ids, logits, ignore_index=self.ignore_index,

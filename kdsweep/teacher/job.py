@@ -65,7 +65,7 @@ def check_reads(reader: Any, data: RunData, section: str, rows: int = 16) -> Non
     for row in batch.input_ids.tolist():
         read = reader.read(row)
         try:
-            align_spans(read.text, read.student, read.teacher)
+            align_spans(read.text, read.student, read.teacher, read.skipped)
         except ValueError as e:
             raise ConfigError(f"{section}: its tokenizer does not give the data's text back as it is ({e}); "
                               "use a teacher whose tokenizer keeps the text, or one with the student's tokenizer") from None
@@ -76,12 +76,18 @@ def cross_teacher(cfg: RunConfig, model: torch.nn.Module, teacher_dir: Path, stu
     """A live teacher with its own tokenizer: it reads each row in its tokens, its targets come on the student's."""
     from transformers import AutoConfig
 
+    from kdsweep.config.schema import ConfigError
     from kdsweep.models.load import load_tokenizer
     from kdsweep.teacher.cross import CrossTokenizerTeacher, vocab_map_of
     from kdsweep.teacher.reader import RowReader
 
     s_tok, t_tok = load_tokenizer(student_dir), load_tokenizer(teacher_dir)
     t_conf = AutoConfig.from_pretrained(teacher_dir).get_text_config()
+    s_rows = int(AutoConfig.from_pretrained(student_dir).get_text_config().vocab_size)
+    for section, tok, rows in (("model", s_tok, s_rows), ("teacher", t_tok, int(t_conf.vocab_size))):
+        if len(tok) > rows:
+            raise ConfigError(f"{section}: its tokenizer has {len(tok)} tokens but its output layer only {rows} rows "
+                              "(vocab_size in config.json); the model does not match its tokenizer")
     vocab_map = vocab_map_of(s_tok, t_tok, int(t_conf.vocab_size)).to(device)
     loss = cfg.loss
     reader = RowReader(s_tok, t_tok)

@@ -44,6 +44,8 @@ class Read:
     teacher_positions: list[int] = field(default_factory=list)
     student_ids: list[int] = field(default_factory=list)
     predictor: list[int | None] = field(default_factory=list)
+    skipped: frozenset[int] = frozenset()
+    """Bytes of ``text`` the teacher was not given (not valid UTF-8: a character the row's edge cut)."""
 
 
 class RowReader:
@@ -73,17 +75,19 @@ class RowReader:
         (the EOS a packed document ends with, the token past the row's end) is part of the student's sequence too,
         predicted by its position, so that the teacher reads it and the spans hold it."""
         text, seq, student, predictor, seg_start = [], [], [], [], 0  # text: a character per byte, a marker per BOS/EOS
+        skipped: set[int] = set()  # bytes not given to the teacher (not valid UTF-8: a character the row cut)
         t_ids, t_off, t_pos = [], [], []
         pos = 0
 
         def flush() -> None:
-            nonlocal pos
+            nonlocal pos, seg_start
             segment = "".join(text[seg_start:]).encode("latin-1")
-            for i, o in self._teacher_tokens(segment, seg_start):
+            for i, o in self._teacher_tokens(segment, seg_start, skipped):
                 t_ids.append(i)
                 t_off.append(o)
                 t_pos.append(pos)
                 pos += 1
+            seg_start = len(text)
 
         def add(token: int, by: int | None) -> bool:
             """The student's token ``token``, predicted by position ``by``; False at padding (the row's end)."""
@@ -98,20 +102,22 @@ class RowReader:
             flush()
             if token == self.s_pad and token not in (self.s_bos, self.s_eos):
                 return False
-            own = self.t_bos if token == self.s_bos else self.t_eos if token == self.s_eos else None
+            # one token for both (GPT-2's <|endoftext|>): an end where a position predicts it, else a beginning
+            ends = token == self.s_eos and (token != self.s_bos or by is not None)
+            own = self.t_eos if ends else self.t_bos if token == self.s_bos else None
             seq.append(token)
             predictor.append(by)
             if own is None:  # a special token the teacher has no counterpart of: not aligned
                 student.append(None)
             else:  # the student's BOS/EOS and the teacher's own cover one marker character: a span of their own
                 marker = (len(text), len(text) + 1)
-                text.append(MARKERS[token == self.s_eos])
+                text.append(MARKERS[ends])
                 student.append(marker)
                 t_ids.append(own)
                 t_off.append(marker)
                 t_pos.append(pos)
                 pos += 1
-            seg_start = len(text)
+                seg_start = len(text)
             return True
 
         last = len(ids) - 1
@@ -119,7 +125,7 @@ class RowReader:
             start = t in doc_starts and t > 0
             if start:
                 flush()
-                seg_start, pos = len(text), 0
+                pos = 0
             shifted = t > 0 and not start and (labels is None or labels[t - 1] in (token, ignore_index))
             if not add(token, t - 1 if shifted else None):
                 break
@@ -128,19 +134,21 @@ class RowReader:
                 if not add(target, t):
                     break
         flush()
-        return Read("".join(text), student, t_ids, t_off, t_pos, seq, predictor)
+        return Read("".join(text), student, t_ids, t_off, t_pos, seq, predictor, frozenset(skipped))
 
-    def _teacher_tokens(self, segment: bytes, base: int) -> list[tuple[int, Offset]]:
+    def _teacher_tokens(self, segment: bytes, base: int, skipped: set[int]) -> list[tuple[int, Offset]]:
         """The teacher's tokens of ``segment`` (bytes at ``base`` of the row) with byte offsets; runs of bytes that are
-        not valid UTF-8 are skipped."""
+        not valid UTF-8 are skipped (added to ``skipped``). Special-token strings in the text are text."""
         out, at = [], 0
         while at < len(segment):
             try:
                 chunk, end = segment[at:].decode("utf-8"), len(segment)
             except UnicodeDecodeError as e:
                 chunk, end = segment[at:at + e.start].decode("utf-8"), at + e.end
+                skipped.update(range(base + at + e.start, base + end))
             if chunk:
-                enc = self.teacher(chunk, add_special_tokens=False, return_offsets_mapping=True)
+                enc = self.teacher(chunk, add_special_tokens=False, return_offsets_mapping=True,
+                                   split_special_tokens=True)
                 offsets = self._piece_offsets(enc["input_ids"], chunk.encode("utf-8")) or self._char_offsets(
                     chunk, enc["offset_mapping"])
                 out += [(i, None if o is None else (base + at + o[0], base + at + o[1]))

@@ -21,6 +21,9 @@ SHORT = ["train.max_steps=6", "train.eval_every=3", "data.batch_size=8", "data.m
 
 @pytest.fixture(scope="module")
 def cross_runs(tmp_path_factory, zoo_dirs):
+    from kdsweep.models import zoo
+
+    zoo.model_dir("tiny-teacher-other")  # built here on every core, as zoo_dirs builds the others (the jobs use one)
     root = tmp_path_factory.mktemp("cross")
     runs = {}
     for loss in ("gold", "uld"):

@@ -271,7 +271,7 @@ def other_tokenizer(tmp_path_factory):
 
 BAD = {
     "tokenizer": (["model.path={tok}/student_a", "teacher.path={tok}/teacher_b", "data.seq_len=16"],
-                  "different tokenizers"),
+                  "teacher.logits=cache does not hold the targets of a teacher with another tokenizer"),
     "divergence": (["loss.divergence=reverse_kl"],
                    "loss.divergence=reverse_kl cannot be trained from teacher.cache.method=sample"),
     "temperature": (["teacher.cache.method=topk", "teacher.cache.temperature=2.0"],

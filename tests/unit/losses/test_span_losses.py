@@ -167,9 +167,11 @@ from kdsweep.teacher.reader import Read  # noqa: E402
 B, T, IGNORE = 2, 7, -100
 
 
-def reads_of(ids):
-    """Rows whose targets are their next inputs: token j is predicted by position j − 1."""
-    return [Read("", [], [], [], student_ids=row, predictor=[None, *range(len(row) - 1)]) for row in ids.tolist()]
+def reads_of(ids, teacher_len=T):
+    """Rows whose targets are their next inputs (token j is predicted by position j − 1), and one document each
+    on the teacher's side (positions 0, 1, …)."""
+    return [Read("", [], [], [], list(range(teacher_len)), student_ids=row, predictor=[None, *range(len(row) - 1)])
+            for row in ids.tolist()]
 
 
 def rows(seed, vocab):
@@ -216,7 +218,7 @@ def cross_case():
 @pytest.mark.parametrize("loss", ["gold", "uld"])
 def test_span_targets_match_the_reference_and_no_chunking_changes_them(loss):
     ids, labels, t_ids, t_logits, spans = cross_case()
-    built = aligned_targets(spans, reads_of(ids), labels, t_ids, t_logits, ignore_index=IGNORE, student_vocab=VS, loss=loss,
+    built = aligned_targets(spans, reads_of(ids, 6), labels, t_ids, t_logits, ignore_index=IGNORE, student_vocab=VS, loss=loss,
                             vocab_map=VocabMap.of(PAIRS, VS, VT))
     assert built.spans == 6 and built.dropped == 1  # row 1's span over the untrained position 1
     s_logits = rand(B, T, VS, seed=6)
@@ -244,3 +246,10 @@ def test_span_targets_match_the_reference_and_no_chunking_changes_them(loss):
     assert values[0] == pytest.approx(expected, rel=1e-12)
     assert all(v == pytest.approx(values[0], rel=1e-12) for v in values)
     assert all(torch.allclose(g, grads[0], rtol=1e-12, atol=1e-14) for g in grads)
+
+
+def test_log1mexp_has_a_finite_gradient_where_a_continuation_is_certain():
+    x = torch.tensor([0.0, -1e-3, -5.0], dtype=torch.float64, requires_grad=True)
+    y = log1mexp(x)
+    y[1:].sum().backward()  # a span whose continuation has probability 1 (x = 0) sits beside others
+    assert y[0].item() == -math.inf and torch.isfinite(x.grad).all() and x.grad[0] == 0

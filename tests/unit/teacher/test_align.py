@@ -30,6 +30,13 @@ def test_leading_space_conventions_agree_and_a_lone_space_joins_the_span_after()
     assert spans(text, student, teacher) == [((0, 1), (0, 1)), ((1, 3), (1, 2))]
 
 
+def test_whitespace_pairs_only_with_the_same_whitespace():
+    text = "a  \n  b"
+    student = [(0, 1), (1, 6), (6, 7)]  # a | ␣␣\n␣␣ | b
+    teacher = [(0, 1), (1, 3), (3, 7)]  # a | ␣␣ | \n␣␣b
+    assert spans(text, student, teacher) == [((0, 1), (0, 1)), ((1, 3), (1, 3))]
+
+
 def test_one_tokenization_against_itself_is_one_token_spans():
     text = "the  cat,  日本"
     tokens = [(0, 3), (3, 4), (4, 9), (9, 10), (10, 11), (11, 12), (11, 13), (12, 13)]  # spaces; byte tokens

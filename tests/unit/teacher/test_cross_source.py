@@ -12,6 +12,7 @@ from kdsweep.data.batch import Batch
 from kdsweep.losses import DIVERGENCES, kd_loss_sums
 from kdsweep.teacher.cross import CrossTokenizerTeacher, vocab_map_of
 from kdsweep.teacher.live import LiveTeacher
+from kdsweep.teacher.align import align_spans
 from kdsweep.teacher.reader import RowReader, is_byte_level
 from test_align import TEXTS, tokenizer
 
@@ -107,3 +108,41 @@ def test_a_teacher_of_another_tokenizer_reads_the_same_text_and_trains_what_alig
         untouched[heads] = False
         untouched[aligned.cont.tolist()] = False
         assert (logits.grad.reshape(-1, len(s))[untouched].abs().sum(-1) == 0).all()
+
+
+def test_a_padded_row_is_read_once_and_a_cut_character_is_skipped_not_refused():
+    s = tokenizer("byte_level")
+    reader = RowReader(s, s)
+    for packed in (False, True):  # a stream's rows end with EOS, a packed row's last document with padding
+        batch = student_batch("byte_level", packed=packed)
+        for row, labels, pos in zip(batch.input_ids.tolist(), batch.labels.tolist(), batch.position_ids.tolist()
+                                    if packed else [[]] * 2):
+            read = reader.read(row, labels, {k for k, p in enumerate(pos) if p == 0})
+            content = [i for i in row if i != s.pad_token_id]  # the same tokenizer: the row's tokens, once each
+            assert [i for i in read.teacher_ids if not packed or i != s.eos_token_id] == content
+    words = s("the earth was void", add_special_tokens=False)["input_ids"]  # content, then padding at once
+    read = reader.read([*words, s.pad_token_id, s.pad_token_id], [*words[1:], IGNORE, IGNORE, IGNORE])
+    assert read.teacher_ids == words
+    ids = s("日本 and the earth", add_special_tokens=False)["input_ids"]
+    cut = ids[1:]  # the row begins inside 日: its first byte token is gone
+    read = RowReader(s, tokenizer("metaspace")).read(cut)
+    assert read.skipped  # the character's remaining bytes were not given to the teacher
+    alignment = align_spans(read.text, read.student, read.teacher, read.skipped)
+    assert alignment.spans and alignment.spans[-1].student[1] == len(cut)
+
+
+def test_one_token_for_bos_and_eos_begins_a_row_and_ends_a_document():
+    from transformers import PreTrainedTokenizerFast
+
+    base = tokenizer("byte_level")
+    gpt2_like = PreTrainedTokenizerFast(tokenizer_object=base.backend_tokenizer, bos_token="</s>", eos_token="</s>",
+                                        pad_token="<pad>", unk_token="<unk>")
+    t = tokenizer("metaspace")
+    words = gpt2_like("the earth", add_special_tokens=False)["input_ids"]
+    eos = gpt2_like.eos_token_id
+    row = [eos, *words, eos]
+    read = RowReader(gpt2_like, t).read(row, [*row[1:], IGNORE])
+    specials = [i for i in read.teacher_ids if i in (t.bos_token_id, t.eos_token_id)]
+    assert specials == [t.bos_token_id, t.eos_token_id]  # the first begins (nothing predicts it), the last ends
+    pairs = dict(zip(vocab_map_of(gpt2_like, t, len(t)).student.tolist(), vocab_map_of(gpt2_like, t, len(t)).teacher.tolist()))
+    assert pairs[eos] == t.eos_token_id
