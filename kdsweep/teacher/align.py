@@ -87,22 +87,29 @@ def align_spans(text: str, student: Sequence[Offset], teacher: Sequence[Offset],
         i0, j0 = i, j
         si, tj, s_far, t_far = s_end[i], t_end[j], s_raw[i], t_raw[j]
         i, j = i + 1, j + 1
+
+        def grow(student_side: bool) -> None:
+            nonlocal si, s_far, i, tj, t_far, j
+            if student_side:
+                si, s_far, i = max(si, s_end[i]), max(s_far, s_raw[i]), i + 1
+            else:
+                tj, t_far, j = max(tj, t_end[j]), max(t_far, t_raw[j]), j + 1
+
+        def grow_behind(s_key: int, t_key: int) -> bool:
+            """Grow the side whose key is behind the other's; False when that side has no token left."""
+            side = s_key < t_key
+            if (i < ns) if side else (j < nt):
+                grow(side)
+                return True
+            return False
+
         while True:
-            while si != tj:  # advance the side that ends first until both end at one boundary
-                if si < tj and i < ns:
-                    si, s_far, i = max(si, s_end[i]), max(s_far, s_raw[i]), i + 1
-                elif tj < si and j < nt:
-                    tj, t_far, j = max(tj, t_end[j]), max(t_far, t_raw[j]), j + 1
-                else:
-                    break
+            while si != tj and grow_behind(si, tj):  # until both end at one boundary
+                pass
             if si != tj:
                 break
             if si == closed and s_far != t_far:  # whitespace only, and not the same whitespace: go on
-                if s_far < t_far and i < ns:
-                    si, s_far, i = max(si, s_end[i]), max(s_far, s_raw[i]), i + 1
-                elif t_far < s_far and j < nt:
-                    tj, t_far, j = max(tj, t_end[j]), max(t_far, t_raw[j]), j + 1
-                else:
+                if not grow_behind(s_far, t_far):
                     break
                 continue
             while i < ns and s_raw[i] <= s_far:  # tokens within what the span holds (bytes of one character)
@@ -112,10 +119,9 @@ def align_spans(text: str, student: Sequence[Offset], teacher: Sequence[Offset],
             straddles = (i < ns and s_start[i] < si, j < nt and t_start[j] < si)  # a byte token across it
             if not any(straddles):
                 break
-            if straddles[0]:
-                si, s_far, i = max(si, s_end[i]), max(s_far, s_raw[i]), i + 1
-            if straddles[1]:
-                tj, t_far, j = max(tj, t_end[j]), max(t_far, t_raw[j]), j + 1
+            for side, straddling in zip((True, False), straddles):
+                if straddling:
+                    grow(side)
         if si != tj:  # the sequence ends inside this span: it never closes
             i, j = i0, j0
             break
