@@ -20,10 +20,28 @@ SHORT = ["train.max_steps=6", "train.eval_every=3", "data.batch_size=8", "data.m
 
 
 @pytest.fixture(scope="module")
-def cross_runs(tmp_path_factory, zoo_dirs):
+def other_teacher(zoo_dirs):
+    """The second embedded teacher, built here on every core as zoo_dirs builds the others (the jobs use one)."""
     from kdsweep.models import zoo
 
-    zoo.model_dir("tiny-teacher-other")  # built here on every core, as zoo_dirs builds the others (the jobs use one)
+    return zoo.model_dir("tiny-teacher-other")
+
+
+def test_the_second_teacher_has_its_own_tokenizer_and_matches_it(other_teacher, zoo_dirs):
+    from transformers import AutoConfig, AutoTokenizer
+
+    from kdsweep.teacher.reader import is_byte_level
+
+    mine, tiny = AutoTokenizer.from_pretrained(other_teacher), AutoTokenizer.from_pretrained(zoo_dirs["teacher"])
+    assert is_byte_level(mine) is False and is_byte_level(tiny) is True  # ▁ pieces with byte fallback, against Ġ
+    assert len(mine) == AutoConfig.from_pretrained(other_teacher).vocab_size == 1536 != len(tiny)
+    assert mine.convert_ids_to_tokens(mine("the earth", add_special_tokens=False)["input_ids"])[0].startswith("\u2581")
+    assert json.loads((other_teacher / "kdsweep_zoo.json").read_text())["recipe"] == json.loads(
+        (zoo_dirs["teacher"] / "kdsweep_zoo.json").read_text())["recipe"]  # pre-trained as the tiny teacher is
+
+
+@pytest.fixture(scope="module")
+def cross_runs(tmp_path_factory, other_teacher):
     root = tmp_path_factory.mktemp("cross")
     runs = {}
     for loss in ("gold", "uld"):

@@ -37,8 +37,8 @@ def test_six_trials_on_two_worker_jobs_and_a_requeued_or_warned_workers_trial_re
     sweep_dir = tmp_path / "sweep"
     args = search(tmp_path, "slurmwarm", {
         "n_trials": 6, "max_concurrent": 2, "workers": 2, "sampler": "random", "pruner": "none", "poll_s": 0.5,
-        "params": {"kd_ratio": "choice(0.2,0.4,0.5,0.6,0.8)", "train.max_steps": "choice(4,16)"},
-        "enqueue": [*({"kd_ratio": 0.5, "train.max_steps": 16} for _ in range(3)),
+        "params": {"kd_ratio": "choice(0.2,0.4,0.5,0.6,0.8)", "train.max_steps": "choice(4,12)"},
+        "enqueue": [*({"kd_ratio": 0.5, "train.max_steps": 12} for _ in range(3)),
                     *({"kd_ratio": k, "train.max_steps": 4} for k in (0.2, 0.4, 0.6))],
     }, {"train": {"eval_every": 4}, "checkpoint": {"save_every": 4, "export_adapter": False, "export_merged": False}})
     cmd = [sys.executable, "-m", "kdsweep", *args, *ONE_THREAD, "hydra/launcher=submitit_slurm", "cluster=local_cpu",
@@ -47,7 +47,7 @@ def test_six_trials_on_two_worker_jobs_and_a_requeued_or_warned_workers_trial_re
     reference = tmp_path / "reference"
     with ThreadPoolExecutor(1) as pool:  # the uninterrupted reference of trial 0 runs beside the sweep
         reference_done = pool.submit(kdsweep, "hparams_search=slurmwarm", f"hydra.searchpath=[file://{tmp_path / 'conf'}]",
-                                     "kd_ratio=0.5", "train.max_steps=16", *ONE_THREAD, f"hydra.run.dir={reference}",
+                                     "kd_ratio=0.5", "train.max_steps=12", *ONE_THREAD, f"hydra.run.dir={reference}",
                                      cwd=tmp_path)
         deadline = time.time() + 300
         jobs, killed = {}, {}
@@ -92,15 +92,15 @@ def test_six_trials_on_two_worker_jobs_and_a_requeued_or_warned_workers_trial_re
     assert jobs["0"] != jobs["1"]
     for trial, word in (("0", "SIGTERM"), ("1", "SIGUSR2")):
         record = read_run(sweep_dir / trial)
-        assert entries[trial]["attempts"] == 2 and 6 <= record["start_step"] < 16, (trial, record["start_step"])
+        assert entries[trial]["attempts"] == 2 and 6 <= record["start_step"] < 12, (trial, record["start_step"])
         assert f"received {word}" in (sweep_dir / trial / "kdsweep.log").read_text()
-        assert [r["step"] for r in read_metrics(sweep_dir / trial) if r["kind"] == "train"] == list(range(1, 17))
+        assert [r["step"] for r in read_metrics(sweep_dir / trial) if r["kind"] == "train"] == list(range(1, 13))
         assert record["objective"] == pytest.approx(read_run(reference)["objective"], abs=1e-5)
     # the killed worker's trial: another attempt, from its last checkpoint (every 4 steps), on another worker
     record = read_run(sweep_dir / "2")
     assert entries["2"]["attempts"] == 2 and entries["2"]["job"]["worker"] != killed["name"]
-    assert 4 <= record["start_step"] < 16 and record["start_step"] % 4 == 0, record["start_step"]
-    assert [r["step"] for r in read_metrics(sweep_dir / "2") if r["kind"] == "train"] == list(range(1, 17))
+    assert 4 <= record["start_step"] < 12 and record["start_step"] % 4 == 0, record["start_step"]
+    assert [r["step"] for r in read_metrics(sweep_dir / "2") if r["kind"] == "train"] == list(range(1, 13))
     assert record["objective"] == pytest.approx(read_run(reference)["objective"], abs=1e-5)
     status = kdsweep("status", str(sweep_dir), cwd=tmp_path).stdout
     assert f"worker {worker} (slurm {jobs['0']}" in status
