@@ -23,8 +23,8 @@ from kdsweep.data.batch import Batch
 from kdsweep.losses.aligned import Aligned
 from kdsweep.losses.cross_tokenizer import VocabMap
 from kdsweep.losses.divergences import log_probs
-from kdsweep.teacher.align import Span, align_spans, piece_bytes, shared_vocab
-from kdsweep.teacher.reader import RowReader, is_byte_level
+from kdsweep.teacher.align import Span, align_spans, shared_vocab
+from kdsweep.teacher.reader import RowReader, vocab_bytes
 
 
 @dataclass
@@ -108,9 +108,7 @@ def vocab_map_of(student: Any, teacher: Any, teacher_vocab: int) -> VocabMap:
     """The tokens the two tokenizers share: the same bytes; and special tokens of the same text, or the same role
     (BOS with BOS, EOS with EOS)."""
     def entries(tok: Any) -> list[tuple[int, bytes, bool]]:
-        special, level = set(tok.all_special_ids), is_byte_level(tok)
-        pieces = tok.convert_ids_to_tokens(list(range(len(tok))))
-        return [(i, *piece_bytes(p, bool(level))) for i, p in enumerate(pieces) if i not in special]
+        return [(i, *e) for i, e in enumerate(vocab_bytes(tok)) if e is not None]
 
     pairs = shared_vocab(entries(student), entries(teacher))
     t_special = {teacher.convert_ids_to_tokens(i): i for i in teacher.all_special_ids}

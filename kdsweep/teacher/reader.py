@@ -28,6 +28,13 @@ def is_byte_level(tokenizer: Any) -> bool | None:
     return None if backend is None else byte_level(json.loads(backend.to_str()))
 
 
+def vocab_bytes(tokenizer: Any) -> list[tuple[bytes, bool] | None]:
+    """Per token id, the bytes it stands for and whether it is a byte-fallback token; None for a special token."""
+    special, level = set(tokenizer.all_special_ids), bool(is_byte_level(tokenizer))
+    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return [None if i in special else piece_bytes(p, level) for i, p in enumerate(pieces)]
+
+
 MARKERS = ("\ue000", "\ue001")
 """The characters a BOS and an EOS stand for in a row's text (outside the bytes' latin-1 range: never content)."""
 
@@ -58,15 +65,11 @@ class RowReader:
                 raise ConfigError(f"{name}: its tokenizer ({type(tok).__name__}) writes tokens in a convention kdsweep "
                                   "cannot map back to text (byte-level BPE and SentencePiece-style pieces can); "
                                   "use a teacher and student with fast BPE tokenizers")
-        special = set(student.all_special_ids)
-        pieces = student.convert_ids_to_tokens(list(range(len(student))))
-        self.pieces = [None if i in special else piece_bytes(p, s_level)[0] for i, p in enumerate(pieces)]
+        self.pieces = [None if e is None else e[0] for e in vocab_bytes(student)]
         self.s_bos, self.s_eos, self.s_pad = student.bos_token_id, student.eos_token_id, student.pad_token_id
         self.teacher = teacher
         self.t_bos, self.t_eos = teacher.bos_token_id, teacher.eos_token_id
-        t_special = set(teacher.all_special_ids)
-        t_pieces = teacher.convert_ids_to_tokens(list(range(len(teacher))))
-        self.t_pieces = [b"" if i in t_special else piece_bytes(p, self.t_level)[0] for i, p in enumerate(t_pieces)]
+        self.t_pieces = [b"" if e is None else e[0] for e in vocab_bytes(teacher)]
 
     def read(self, ids: list[int], labels: list[int] | None = None, doc_starts: set[int] = frozenset(),
              ignore_index: int = -100) -> Read:
@@ -180,4 +183,4 @@ class RowReader:
         return [(byte_at[a], byte_at[b]) if b > a else None for a, b in offsets]
 
 
-__all__ = ["Read", "RowReader", "is_byte_level"]
+__all__ = ["Read", "RowReader", "is_byte_level", "vocab_bytes"]
