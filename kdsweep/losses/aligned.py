@@ -10,21 +10,73 @@ teacher's logits kept here, and scores them with GOLD or ULD; every other positi
 
 Tensors: ``head`` ``[S]`` student positions; ``cont`` ``[M]`` student positions, ``cont_span`` ``[M]`` their spans and
 ``cont_token`` ``[M]`` the tokens they predict; ``t_head`` ``[S, Vt]`` teacher logits predicting each span's first
-teacher token; ``t_cont`` ``[Mt, Vt]`` teacher logits predicting its later ones, their tokens ``t_cont_token`` ``[Mt]`` and spans ``t_cont_span`` ``[Mt]``;
-``t_nll`` ``[S]`` the teacher's −log p of each span's teacher tokens (at T = 1). Continuation rows are in span order.
-``extent`` and ``t_cont_count`` are host-side, so that :meth:`cuts` and :meth:`split` need no device sync.
+teacher token; ``t_cont`` the teacher's log-probability of each span's later tokens: :class:`TeacherRows` (the logits
+predicting them, a live teacher's, at any temperature) or :class:`KeptContinuation` (the log-probabilities
+themselves at the temperatures a teacher-logit cache kept); ``t_nll`` ``[S]`` the teacher's −log p of each span's
+teacher tokens (at T = 1). Continuation rows are in span order. ``extent`` and the continuation counts are
+host-side, so that :meth:`cuts` and :meth:`split` need no device sync.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 
 from kdsweep.losses.cross_tokenizer import VocabMap, gold, merge, uld
 from kdsweep.losses.divergences import log_probs
 from kdsweep.losses.targets import chunk_sizes
+
+
+class TeacherContinuation(Protocol):
+    """The teacher's log-probability of each span's later tokens (0 for a one-token span)."""
+
+    def logp(self, spans: int, temperature: float) -> torch.Tensor:
+        """``[spans]`` at ``temperature``."""
+        ...
+
+    def select(self, first: int, count: int) -> "TeacherContinuation":
+        """Spans ``first`` … ``first + count − 1``."""
+        ...
+
+
+@dataclass
+class TeacherRows:
+    """A live teacher's: ``logits`` ``[Mt, Vt]`` predicting each span's later teacher tokens ``token`` ``[Mt]``, of
+    spans ``span`` ``[Mt]`` (in span order; ``count`` per span, host-side)."""
+
+    logits: torch.Tensor
+    token: torch.Tensor
+    span: torch.Tensor
+    count: list[int]
+
+    def logp(self, spans: int, temperature: float) -> torch.Tensor:
+        lp = log_probs(self.logits, temperature).gather(-1, self.token.long().unsqueeze(-1)).squeeze(-1)
+        return lp.new_zeros(spans).index_add(0, self.span, lp)
+
+    def select(self, first: int, count: int) -> "TeacherRows":
+        lo, hi = sum(self.count[:first]), sum(self.count[:first + count])
+        return TeacherRows(self.logits[lo:hi], self.token[lo:hi], self.span[lo:hi] - first,
+                           self.count[first:first + count])
+
+
+@dataclass
+class KeptContinuation:
+    """A teacher-logit cache's: ``by_temperature[T]`` ``[S]`` the log-probabilities at each temperature it kept
+    (the loss's and 1, which the logged distance is at)."""
+
+    by_temperature: dict[float, torch.Tensor]
+
+    def logp(self, spans: int, temperature: float) -> torch.Tensor:
+        if temperature not in self.by_temperature:
+            raise ValueError(f"the teacher cache kept each span's continuation at T={sorted(self.by_temperature)}, "
+                             f"not at T={temperature:g}")
+        return self.by_temperature[temperature]
+
+    def select(self, first: int, count: int) -> "KeptContinuation":
+        return KeptContinuation({t: v[first:first + count] for t, v in self.by_temperature.items()})
 
 
 @dataclass
@@ -36,14 +88,10 @@ class Aligned:
     cont_token: torch.Tensor
     """``[M]`` the student token each continuation position predicts (its label)."""
     t_head: torch.Tensor
-    t_cont: torch.Tensor
-    t_cont_token: torch.Tensor
-    t_cont_span: torch.Tensor
+    t_cont: TeacherContinuation
     t_nll: torch.Tensor
     extent: list[tuple[int, int]]
     """Per span, ``(head, last)``: the student positions it covers, ``head`` … ``last`` (host-side)."""
-    t_cont_count: list[int]
-    """Per span, its teacher continuation rows (host-side)."""
     student_vocab: int
     loss: str = "gold"
     """``gold`` or ``uld`` (``loss.cross_tokenizer``)."""
@@ -95,14 +143,12 @@ class Aligned:
         """Spans ``first`` … ``first + count − 1`` on positions ``lo`` … ``lo + size − 1``, renumbered from 0. Each
         side's continuation rows are in span order, so theirs are one slice (host-side counts, no device sync)."""
         s_lo, s_hi = sum(self.cont_count[:first]), sum(self.cont_count[:first + count])
-        t_lo, t_hi = sum(self.t_cont_count[:first]), sum(self.t_cont_count[:first + count])
         spans = slice(first, first + count)
         return replace(
             self, n=size, head=self.head[spans] - lo, cont=self.cont[s_lo:s_hi] - lo,
             cont_span=self.cont_span[s_lo:s_hi] - first, cont_token=self.cont_token[s_lo:s_hi],
-            t_head=self.t_head[spans], t_cont=self.t_cont[t_lo:t_hi], t_cont_token=self.t_cont_token[t_lo:t_hi],
-            t_cont_span=self.t_cont_span[t_lo:t_hi] - first, t_nll=self.t_nll[spans],
-            extent=[(h - lo, e - lo) for h, e in self.extent[spans]], t_cont_count=self.t_cont_count[spans],
+            t_head=self.t_head[spans], t_cont=self.t_cont.select(first, count), t_nll=self.t_nll[spans],
+            extent=[(h - lo, e - lo) for h, e in self.extent[spans]],
         )
 
     @property
@@ -116,9 +162,7 @@ class Aligned:
         spans = len(self.extent)
         cont_q = log_q[self.cont].gather(-1, self.cont_token.long().unsqueeze(-1)).squeeze(-1)
         c_s = log_q.new_zeros(spans).index_add(0, self.cont_span, cont_q)
-        lp_t = log_probs(self.t_cont, temperature)
-        cont_p = lp_t.gather(-1, self.t_cont_token.long().unsqueeze(-1)).squeeze(-1)
-        c_t = lp_t.new_zeros(spans).index_add(0, self.t_cont_span, cont_p)
+        c_t = self.t_cont.logp(spans, temperature)
         return merge(log_q[self.head], c_s), merge(log_probs(self.t_head, temperature), c_t)
 
     def _score(self, log_q: torch.Tensor, divergence: str, beta: float, temperature: float) -> torch.Tensor:
@@ -144,4 +188,4 @@ class Aligned:
         return self.t_nll.new_zeros(self.n).index_put((self.head,), self.t_nll)
 
 
-__all__ = ["Aligned"]
+__all__ = ["Aligned", "KeptContinuation", "TeacherContinuation", "TeacherRows"]

@@ -47,9 +47,10 @@ cache's build, and the tokens the teacher generated) or a cache supplied, and of
 generated."""
 
 ALIGNMENT_FIELDS = ("kd_spans", "kd_spans_dropped", "tokens_unaligned")
-"""A teacher with another tokenizer (run.json ``alignment``, summed over attempts): the spans that took a KD term,
-the spans with trained tokens that could not (part untrained, or no teacher position before them), and the
-student's content tokens in no span (a row cut inside a span)."""
+"""A teacher with another tokenizer (run.json ``alignment``, summed over attempts): in the training steps'
+micro-batches (not the evaluations', which a sweep's trials may share), the spans that took a KD term, the spans with
+trained tokens that could not (part untrained, or no teacher position before them), and the student's content
+tokens in no span (a row cut inside a span)."""
 
 SLURM_VARS = {
     "job_id": "SLURM_JOB_ID", "array_job_id": "SLURM_ARRAY_JOB_ID", "array_task_id": "SLURM_ARRAY_TASK_ID",

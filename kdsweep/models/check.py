@@ -121,9 +121,10 @@ def check_cross_tokenizer(cfg: RunConfig) -> None:
     from kdsweep.teacher.align import byte_level
 
     fix = "or pick a teacher with the student's tokenizer"
-    if cfg.teacher.logits == "cache":
-        raise ConfigError("teacher.logits=cache does not hold the targets of a teacher with another tokenizer yet; "
-                          f"use teacher.logits=live, {fix}")
+    if cfg.teacher.logits == "cache" and cfg.teacher.cache.method != "full":
+        raise ConfigError(f"teacher.cache.method={cfg.teacher.cache.method} cannot keep what a teacher with another "
+                          "tokenizer gives (GOLD and ULD need its whole distribution over each aligned span); use "
+                          f"teacher.cache.method=full, or teacher.logits=live, {fix}")
     if cfg.loss.impl == "fused":
         raise ConfigError("loss.impl=fused cannot serve a teacher with another tokenizer (its KD terms are per span of "
                           f"the two tokenizations, not per token); use loss.impl=chunked, {fix}")
@@ -166,10 +167,11 @@ def preflight_models(cfg: RunConfig) -> None:
             )
     from kdsweep.teacher.check import preflight_cache
 
-    preflight_cache(cfg, min((v for v in (_vocab(s_cfg), _vocab(t_cfg)) if v), default=0))
     if cross_tokenizer(cfg):  # the teacher reads the same text in its own tokens (kdsweep.teacher.cross)
         check_cross_tokenizer(cfg)
+        preflight_cache(cfg, _vocab(t_cfg) or 0, aligned=True)  # the teacher's distribution, on aligned spans
         return
+    preflight_cache(cfg, min((v for v in (_vocab(s_cfg), _vocab(t_cfg)) if v), default=0))
     if s_dir is None and t_dir is None:
         return  # both from the zoo, of one tokenizer
     s_fp, s_vocab = tokenizer_fingerprint("model", s_dir or _zoo_tokenizer_dir(cfg.model.zoo))

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kdsweep.config.schema import ConfigError
+from kdsweep.data.batch import Batch
 from kdsweep.data.cache import built_once
 from kdsweep.data.rows import Rows
 from kdsweep.data.sampling import stream_seed
@@ -88,30 +89,52 @@ def _write_file(path: Path, t: torch.Tensor) -> None:
         _write(f, t)
 
 
+RowFields = Callable[[int, int, int], dict[str, torch.Tensor]]
+"""(a row's place in the batch, its index in the split, its length) → field → ``[length, width]``."""
+
+Producer = Callable[[Batch, str], tuple[RowFields, int]]
+"""What a teacher gives the cache for one batch of a split: its rows' fields, and the teacher tokens it computed."""
+
+
+class PlainTargets:
+    """A teacher that shares the student's tokenizer (a :data:`Producer`): :func:`row_targets` of its logits, each
+    row's draws seeded by the row, so that they do not depend on the batch or the rank."""
+
+    def __init__(self, model: nn.Module, spec: Spec, ignore_index: int, device: torch.device) -> None:
+        self.model, self.spec, self.ignore_index = model, spec, ignore_index
+        self.generator = torch.Generator(device=device) if spec.method == "sample" else None
+
+    def __call__(self, batch: Batch, split: str) -> tuple[RowFields, int]:
+        logits = self.model(**batch.inputs()).logits
+
+        def row(r: int, index: int, length: int) -> dict[str, torch.Tensor]:
+            if self.generator is not None:
+                self.generator.manual_seed(stream_seed(self.spec.seed, split, index))  # any rank: the same draws
+            return row_targets(logits[r, :length], batch.labels[r, :length], self.spec, self.ignore_index,
+                               self.generator)
+
+        return row, batch.input_ids.numel()
+
+
 @torch.no_grad()
-def write_split(teacher: nn.Module, sel: Selection, split: str, spec: Spec, out: Path, dist: DistEnv,
-                device: torch.device, batch_rows: int, ignore_index: int,
-                progress: Callable[[int], None] = lambda rows: None) -> int:
+def write_split(teacher: Producer, sel: Selection, split: str, spec: Spec, out: Path, dist: DistEnv,
+                device: torch.device, batch_rows: int, progress: Callable[[int], None] = lambda rows: None) -> int:
     """Write this rank's share of ``split``'s selected rows; returns the teacher tokens (positions) computed.
     ``progress`` hears how many of this rank's rows are written after each batch."""
     start, end = share(len(sel.selected), dist.rank, dist.world_size)
     mine = sel.selected[start:end].tolist()
     longest = -(-len(sel.selected) // dist.world_size)
     files = {name: open(out / f"{split}.{name}.{dist.rank}", "wb") for name in spec.fields()}
-    generator = torch.Generator(device=device) if spec.method == "sample" else None
     computed = 0
     try:
         for first in range(0, max(longest, 1), batch_rows):
             idx = mine[first:first + batch_rows]
             batch = sel.rows.batch(idx or [0]).to(device)  # an empty share still runs the forward, writes nothing
-            logits = teacher(**batch.inputs()).logits
-            computed += batch.input_ids.numel()
+            row_fields, tokens = teacher(batch, split)
+            computed += tokens
             for r, row in enumerate(idx):
                 length = int(sel.rows.offsets[row + 1] - sel.rows.offsets[row])
-                if generator is not None:
-                    generator.manual_seed(stream_seed(spec.seed, split, row))  # any rank: the same draws
-                fields = row_targets(logits[r, :length], batch.labels[r, :length], spec, ignore_index, generator)
-                for name, values in fields.items():
+                for name, values in row_fields(r, row, length).items():
                     _write(files[name], values)
             progress(len(idx))
     finally:
@@ -159,13 +182,14 @@ class Progress:
                            "eta_s": (now - self.writing) * (self.rows / self.done - 1)})
 
 
-def ensure(root: Path, key: str, spec: Spec, splits: dict[str, Selection], load: Callable[[], nn.Module], dist: DistEnv,
-           device: torch.device, batch_rows: int, ignore_index: int, info: dict[str, Any],
+def ensure(root: Path, key: str, spec: Spec, splits: dict[str, Selection], load: Callable[[], Producer], dist: DistEnv,
+           device: torch.device, batch_rows: int, info: dict[str, Any],
            announce: Callable[[dict[str, float]], None] = lambda progress: None) -> tuple[Path, dict[str, Any] | None]:
     """The cache ``root/key``, built first by this job's ranks when it does not exist (every rank calls this).
 
     Returns (its directory, the build's stats, or None when it was already there). ``load`` builds the teacher
-    (a collective when sharded); it is called only when the cache must be built, and dropped after. ``announce``
+    (a collective when sharded) and what it gives the cache; it is called only when the cache must be built, and
+    dropped after. ``announce``
     hears how the build progresses (on rank 0).
     """
     root.mkdir(parents=True, exist_ok=True)
@@ -179,7 +203,7 @@ def ensure(root: Path, key: str, spec: Spec, splits: dict[str, Selection], load:
         loaded = time.perf_counter() - t0
         mine = sum(-(-len(sel.selected) // dist.world_size) for sel in splits.values())
         progress = Progress(mine, t0, announce) if dist.is_main else (lambda rows: None)
-        computed = sum(write_split(teacher, splits[s], s, spec, tmp, dist, device, batch_rows, ignore_index, progress)
+        computed = sum(write_split(teacher, splits[s], s, spec, tmp, dist, device, batch_rows, progress)
                        for s in SPLITS)
         del teacher
         if device.type == "cuda":

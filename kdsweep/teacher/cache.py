@@ -18,6 +18,13 @@ sample     ``ids`` [k] draws from softmax(logits / T_c); ``entropy`` [1] fp32 at
 topk       ``ids`` [k], ``logp`` [k] fp16 log-probabilities at T_c; ``tail_logp`` [1] fp32; ``label_logp`` [1]
 =========  ===============================================================================================
 
+A teacher with another tokenizer (``aligned``, method full only) is kept on the student's positions too: at the
+head of each aligned span (:mod:`kdsweep.losses.aligned`) ``logits`` [V_teacher] (exact) predicting its first
+teacher token, ``span`` [1] int32 (the span's student positions after its head; −1 at a position that heads no
+span), ``cont_logp`` [2] fp32 the teacher's log-probability of the span's later tokens at the loss's temperature
+and at 1, ``nll`` [1] fp32 its −log p of the span's tokens; and at each row's first position ``row_counts`` [2]
+int32, the row's spans that could take no KD term and its tokens in no span (run.json's alignment counts).
+
 The key hashes the teacher's weights and config (their content, memoized by size and mtime, so moving the
 directory keeps the key and editing a weight changes it), the tokenization cache's key, the rows it holds (all, or
 the seed, batch size and steps that read them), the method, k, the temperature, the seed of the draws, the
@@ -55,14 +62,19 @@ class Spec:
     """The vocabulary the teacher's distribution is taken over: the smaller of teacher's and student's."""
     dtype: str
     """The teacher's logits dtype (full stores it as is): float32 or bfloat16."""
+    aligned: bool = False
+    """Targets of a teacher with another tokenizer, on the student's positions (``vocab``: the teacher's; the
+    continuation kept at ``temperature``, the loss's, and at 1)."""
 
     @classmethod
-    def of(cls, cfg: RunConfig, vocab: int) -> "Spec":
+    def of(cls, cfg: RunConfig, vocab: int, aligned: bool = False) -> "Spec":
         c = cfg.teacher.cache
         full = c.method == "full"
         bf16 = cfg.train.dtype == "bf16" or cfg.dist.mixed_precision
-        return cls(method=c.method, k=0 if full else c.k, temperature=1.0 if full else cfg.cache_temperature,
-                   seed=c.seed if c.method == "sample" else 0, vocab=vocab, dtype="bfloat16" if bf16 else "float32")
+        temperature = cfg.loss.temperature if aligned else 1.0 if full else cfg.cache_temperature
+        return cls(method=c.method, k=0 if full else c.k, temperature=temperature,
+                   seed=c.seed if c.method == "sample" else 0, vocab=vocab, dtype="bfloat16" if bf16 else "float32",
+                   aligned=aligned)
 
     @property
     def id_dtype(self) -> str:
@@ -70,6 +82,9 @@ class Spec:
 
     def fields(self) -> dict[str, tuple[str, int]]:
         """field → (dtype, values per position)."""
+        if self.aligned:
+            return {"logits": (self.dtype, self.vocab), "span": ("int32", 1), "cont_logp": ("float32", 2),
+                    "nll": ("float32", 1), "row_counts": ("int32", 2)}
         if self.method == "full":
             return {"logits": (self.dtype, self.vocab)}
         if self.method == "sample":
@@ -81,6 +96,9 @@ class Spec:
         return sum(_BYTES[dtype] * width for dtype, width in self.fields().values())
 
     def describe(self) -> str:
+        if self.aligned:
+            return (f"full logits of a teacher with another tokenizer on the student's aligned spans ({self.vocab} per "
+                    f"position, {self.dtype}; the continuation at T={self.temperature:g})")
         if self.method == "full":
             return f"full logits ({self.vocab} per position, {self.dtype})"
         what = "draws" if self.method == "sample" else "top tokens + tail"
@@ -100,7 +118,8 @@ def teacher_hash(teacher_dir: Path, memo_dir: Path) -> str:
 
 def cache_key(spec: Spec, teacher_digest: str, data_key: str, coverage: Any = "all") -> str:
     """``coverage``: "all" training rows, or the seed, batch size and steps whose rows the cache holds."""
-    parts = [CACHE_VERSION, asdict(spec), teacher_digest, data_key, coverage]
+    kept = {k: v for k, v in asdict(spec).items() if k != "aligned" or v}  # same-tokenizer caches keep their keys
+    parts = [CACHE_VERSION, kept, teacher_digest, data_key, coverage]
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
 
 

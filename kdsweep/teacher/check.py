@@ -76,11 +76,12 @@ def estimated_positions(cfg: RunConfig) -> int:
     return train + held_out
 
 
-def preflight_cache(cfg: RunConfig, vocab: int) -> None:
-    """One line for a cache that cannot be written or would not fit (``vocab``: the teacher's distribution's)."""
+def preflight_cache(cfg: RunConfig, vocab: int, aligned: bool = False) -> None:
+    """One line for a cache that cannot be written or would not fit (``vocab``: the teacher's distribution's;
+    ``aligned``: a teacher with another tokenizer's, kept on the student's aligned spans)."""
     if cfg.teacher.logits != "cache":
         return
-    spec = Spec.of(cfg, vocab)
+    spec = Spec.of(cfg, vocab, aligned)
     if spec.method == "topk" and 0 < vocab <= spec.k:
         raise ConfigError(f"teacher.cache.k={spec.k} keeps the whole {vocab}-token vocabulary; use "
                           f"teacher.cache.method=full, or a k below {vocab}")

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from kdsweep.data.batch import Batch
-from kdsweep.losses.aligned import Aligned
+from kdsweep.losses.aligned import Aligned, TeacherRows
 from kdsweep.losses.cross_tokenizer import VocabMap
 from kdsweep.losses.divergences import log_probs
 from kdsweep.teacher.align import Span, align_spans, shared_vocab
@@ -34,6 +34,8 @@ class CrossTargets:
     """Spans that take a KD term."""
     dropped: int
     """Spans that cannot (untrained positions inside, or no teacher position before them)."""
+    row_dropped: list[int]
+    """``dropped`` per row."""
 
 
 def aligned_targets(
@@ -60,7 +62,7 @@ def aligned_targets(
     trained, t_ids = (labels != ignore_index).tolist(), teacher_ids.tolist()
     head, cont, cont_span, cont_token = [], [], [], []
     t_head, t_cont, t_cont_token, t_cont_span, t_cont_count, t_nll_rows = [], [], [], [], [], []
-    extent, dropped = [], 0
+    extent, row_dropped = [], [0] * B
     for b, (spans, read) in enumerate(zip(row_spans, reads)):
         for span in spans:
             (a, e), (c, d) = span.student, span.teacher
@@ -70,7 +72,7 @@ def aligned_targets(
             # the teacher needs a position before the span in the same document (its positions restart with each)
             no_context = c < 1 or read.teacher_positions[c] == 0
             if no_context or None in by or not all(trained[b][p] for p in by):
-                dropped += int(any(p is not None and trained[b][p] for p in by))  # a span of prompt tokens never was
+                row_dropped[b] += int(any(p is not None and trained[b][p] for p in by))  # prompt tokens never were
                 continue
             k = len(extent)
             extent.append((b * T + by[0], b * T + by[-1]))
@@ -96,12 +98,11 @@ def aligned_targets(
         t_nll = -lp.new_zeros(len(extent)).index_add(0, owner, picked)
     targets = Aligned(
         n=B * T, head=long(head), cont=long(cont), cont_span=long(cont_span), cont_token=long(cont_token),
-        t_head=flat[long(t_head)], t_cont=flat[long(t_cont)], t_cont_token=long(t_cont_token),
-        t_cont_span=long(t_cont_span), t_nll=t_nll, extent=extent, t_cont_count=t_cont_count,
-        student_vocab=student_vocab, loss=loss, vocab_map=vocab_map, w_matched=w_matched, w_unmatched=w_unmatched,
+        t_head=flat[long(t_head)], t_cont=TeacherRows(flat[long(t_cont)], long(t_cont_token), long(t_cont_span), t_cont_count),
+        t_nll=t_nll, extent=extent, student_vocab=student_vocab, loss=loss, vocab_map=vocab_map, w_matched=w_matched, w_unmatched=w_unmatched,
         kl_divergence=kl_divergence, kl_beta=kl_beta,
     )
-    return CrossTargets(targets, spans=len(extent), dropped=dropped)
+    return CrossTargets(targets, spans=len(extent), dropped=sum(row_dropped), row_dropped=row_dropped)
 
 
 def vocab_map_of(student: Any, teacher: Any, teacher_vocab: int) -> VocabMap:
@@ -139,8 +140,9 @@ class CrossTokenizerTeacher:
         self.kd_spans, self.kd_spans_dropped, self.tokens_unaligned = 0, 0, 0
         """KD spans taken, spans that could not take a term, and student content tokens in no span (cut rows)."""
 
-    @contextmanager
-    def targets(self, batch: Batch) -> Iterator[Aligned]:
+    def build(self, batch: Batch) -> tuple[CrossTargets, list[int]]:
+        """The batch's targets, and per row its student content tokens in no span (a row the teacher's reading
+        changed, or cut)."""
         ids = batch.input_ids.tolist()
         starts = ([{k for k, p in enumerate(row) if p == 0} for row in batch.position_ids.tolist()]
                   if batch.position_ids is not None else [set()] * len(ids))
@@ -158,21 +160,27 @@ class CrossTokenizerTeacher:
         self.tokens_computed += t_ids.numel()
         with torch.no_grad():  # right padding needs no mask (causal); packed documents: their position ids
             logits = self.model(input_ids=t_ids, position_ids=t_pos, use_cache=False).logits
-        row_spans = []
+        row_spans, unaligned = [], []
         for r in reads:
             try:
                 alignment = align_spans(r.text, r.student, r.teacher[:width], r.skipped)
             except ValueError:  # this row's text came back changed (check_reads saw none): no KD term, counted
                 row_spans.append([])
-                self.tokens_unaligned += sum(o is not None for o in r.student)
+                unaligned.append(sum(o is not None for o in r.student))
                 continue
             row_spans.append(alignment.spans)
-            self.tokens_unaligned += alignment.unaligned[0]
+            unaligned.append(alignment.unaligned[0])
         built = aligned_targets(row_spans, reads, batch.labels, t_ids, logits, ignore_index=self.ignore_index,
                                 student_vocab=self.student_vocab, loss=self.loss, vocab_map=self.vocab_map,
                                 w_matched=self.weights[0], w_unmatched=self.weights[1], kl_divergence=self.kl[0],
                                 kl_beta=self.kl[1])
+        return built, unaligned
+
+    @contextmanager
+    def targets(self, batch: Batch) -> Iterator[Aligned]:
+        built, unaligned = self.build(batch)
         self.kd_spans, self.kd_spans_dropped = self.kd_spans + built.spans, self.kd_spans_dropped + built.dropped
+        self.tokens_unaligned += sum(unaligned)
         yield built.targets
 
 

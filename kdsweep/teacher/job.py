@@ -12,6 +12,7 @@ import torch
 from kdsweep.config.schema import RunConfig
 from kdsweep.data.dataset import RunData
 from kdsweep.distributed import DistEnv
+from kdsweep.metrics.records import ALIGNMENT_FIELDS
 from kdsweep.models.check import cross_tokenizer
 from kdsweep.teacher.source import TeacherSource
 from kdsweep.data.sampling import StepSampler
@@ -43,9 +44,9 @@ class Teacher:
         sources = {id(s): s for s in (self.train, self.eval)}.values()
         counts = {"teacher_tokens_computed": sum(s.tokens_computed for s in sources),
                   "teacher_tokens_read": sum(s.tokens_read for s in sources)}
-        for name in ("kd_spans", "kd_spans_dropped", "tokens_unaligned"):  # a cross-tokenizer teacher's alignment
-            if all(hasattr(s, name) for s in sources):
-                counts[name] = sum(getattr(s, name) for s in sources)
+        for name in ALIGNMENT_FIELDS:  # a cross-tokenizer teacher's alignment, over the training steps' batches
+            if hasattr(self.train, name):
+                counts[name] = getattr(self.train, name)
         return counts
 
 
@@ -71,14 +72,37 @@ def check_reads(reader: Any, data: RunData, section: str, rows: int = 16) -> Non
                               "use a teacher whose tokenizer keeps the text, or one with the student's tokenizer") from None
 
 
-def cross_teacher(cfg: RunConfig, model: torch.nn.Module, teacher_dir: Path, student_dir: Path, data: RunData,
-                  device: torch.device) -> Teacher:
-    """A live teacher with its own tokenizer: it reads each row in its tokens, its targets come on the student's."""
+@dataclass
+class CrossPair:
+    """A teacher with another tokenizer and the student: how one reads the other's rows, the tokens they share,
+    how the spans are scored, and what run.json says of it; live (:meth:`live`) or cached alike."""
+
+    reader: Any
+    scoring: dict[str, Any]
+    """:class:`~kdsweep.losses.aligned.Aligned`'s settings: ``student_vocab``, ``loss``, ``vocab_map``, the GOLD
+    weights, the logged divergence."""
+    max_positions: int
+    pad_id: int
+    teacher_vocab: int
+    """The teacher's output layer's rows (its logits' width)."""
+    record: dict[str, Any]
+    ignore_index: int
+
+    def live(self, model: torch.nn.Module) -> Any:
+        from kdsweep.teacher.cross import CrossTokenizerTeacher
+
+        return CrossTokenizerTeacher(model, self.reader, ignore_index=self.ignore_index, max_positions=self.max_positions,
+                                     pad_id=self.pad_id, **self.scoring)
+
+
+def cross_pair(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: RunData, device: torch.device) -> CrossPair:
+    """The teacher reads each row in its tokens, its targets come on the student's (one line for a pair that
+    cannot: a model larger than its output layer, a teacher that does not give the text back)."""
     from transformers import AutoConfig
 
     from kdsweep.config.schema import ConfigError
     from kdsweep.models.load import load_tokenizer
-    from kdsweep.teacher.cross import CrossTokenizerTeacher, vocab_map_of
+    from kdsweep.teacher.cross import vocab_map_of
     from kdsweep.teacher.reader import RowReader
 
     s_tok, t_tok = load_tokenizer(student_dir), load_tokenizer(teacher_dir)
@@ -92,12 +116,6 @@ def cross_teacher(cfg: RunConfig, model: torch.nn.Module, teacher_dir: Path, stu
     loss = cfg.loss
     reader = RowReader(s_tok, t_tok)
     check_reads(reader, data, "teacher")
-    source = CrossTokenizerTeacher(
-        model, reader, vocab_map, loss=loss.cross_tokenizer, ignore_index=loss.ignore_index,
-        student_vocab=len(s_tok), max_positions=int(t_conf.max_position_embeddings),
-        pad_id=t_tok.pad_token_id if t_tok.pad_token_id is not None else t_tok.eos_token_id,
-        w_matched=loss.gold_matched_weight, w_unmatched=loss.gold_unmatched_weight, kl_divergence=loss.divergence,
-        kl_beta=loss.beta)
     w_m = vocab_map.matched_share if loss.gold_matched_weight is None else loss.gold_matched_weight
     w_u = 1.0 - w_m if loss.gold_unmatched_weight is None else loss.gold_unmatched_weight
     log.info("teacher: its own tokenizer (%d tokens; the student's %d; %d shared): %s over aligned spans%s",
@@ -105,12 +123,17 @@ def cross_teacher(cfg: RunConfig, model: torch.nn.Module, teacher_dir: Path, stu
              f", weights {w_m:.3f} (shared: {loss.divergence}) and {w_u:.3f} (ULD)" if loss.cross_tokenizer == "gold" else "")
     distance = (f"gold ({w_m:.4g}·{loss.divergence} over the shared tokens + {w_u:.4g}·ULD over the rest)"
                 if loss.cross_tokenizer == "gold" else "ULD (sorted-probability L1)")
-    record = {"source": "live", "cross_tokenizer": {
+    record = {"cross_tokenizer": {
         "loss": loss.cross_tokenizer, "student_vocab": len(s_tok), "teacher_vocab": len(t_tok),
         "shared_tokens": len(vocab_map.teacher), "w_matched": w_m, "w_unmatched": w_u},
         "teacher_ce": "the teacher's cross-entropy of the same text (its own tokens), per student token",
         "kl": f"{distance} between the two models' distributions over each aligned span, at T=1, per student token"}
-    return Teacher(source, source, record)
+    scoring = {"student_vocab": len(s_tok), "loss": loss.cross_tokenizer, "vocab_map": vocab_map,
+               "w_matched": loss.gold_matched_weight, "w_unmatched": loss.gold_unmatched_weight,
+               "kl_divergence": loss.divergence, "kl_beta": loss.beta}
+    return CrossPair(reader, scoring, max_positions=int(t_conf.max_position_embeddings),
+                     pad_id=t_tok.pad_token_id if t_tok.pad_token_id is not None else t_tok.eos_token_id,
+                     teacher_vocab=int(t_conf.vocab_size), record=record, ignore_index=loss.ignore_index)
 
 
 def open_teacher(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: RunData, dist: DistEnv,
@@ -132,11 +155,35 @@ def open_teacher(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: Run
 
         model = keep("live_teacher", key, load)
         if cross_tokenizer(cfg):
-            return cross_teacher(cfg, model, teacher_dir, student_dir, data, device)
+            pair = cross_pair(cfg, teacher_dir, student_dir, data, device)
+            return Teacher(pair.live(model), pair.live(model), {"source": "live", **pair.record})
         live = LiveTeacher(model, fused=cfg.loss.impl == "fused")
         return Teacher(live, live, {"source": "live", "teacher_ce": "exact", "kl": "exact (T=1)"})
+    if cross_tokenizer(cfg):
+        return cached_teacher(cfg, teacher_dir, student_dir, data, dist, device, announce, load,
+                              cross_pair(cfg, teacher_dir, student_dir, data, device))
+    return cached_teacher(cfg, teacher_dir, student_dir, data, dist, device, announce, load)
 
-    spec = Spec.of(cfg, min(vocab_size(teacher_dir), vocab_size(student_dir)))
+
+def cached_teacher(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: RunData, dist: DistEnv, device: torch.device,
+                   announce: Callable[[dict[str, float]], None], load: Callable[[], torch.nn.Module],
+                   pair: CrossPair | None = None) -> Teacher:
+    """The teacher's targets from its cache, built first by this job's ranks if nobody has yet (``pair``: a teacher
+    with another tokenizer, whose targets the cache keeps on the student's positions)."""
+    from kdsweep.teacher.build import PlainTargets
+    from kdsweep.teacher.cross_cache import CachedCrossTeacher, SpanTargets
+
+    if pair is None:
+        spec = Spec.of(cfg, min(vocab_size(teacher_dir), vocab_size(student_dir)))
+        produce = lambda: PlainTargets(load(), spec, cfg.loss.ignore_index, device)
+        source = lambda split: CachedTeacher(split, device)
+        described = {"teacher_ce": SEMANTICS[spec.method][0],
+                     "kl": SEMANTICS[spec.method][1].format(k=spec.k, t=spec.temperature)}
+    else:
+        spec = Spec.of(cfg, pair.teacher_vocab, aligned=True)
+        produce = lambda: SpanTargets(pair.live(load()), spec)
+        source = lambda split: CachedCrossTeacher(split, device, pair.scoring)
+        described = pair.record
     root = cache_root(cfg)
     digest = dist.broadcast_object(teacher_hash(teacher_dir, root / "hashes") if dist.is_main else None)
     used = torch.arange(len(data.train))
@@ -148,17 +195,14 @@ def open_teacher(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: Run
     key = cache_key(spec, digest, data.cache_dir.name, coverage)
     info = {"teacher": str(teacher_dir), "teacher_hash": digest, "data_key": data.cache_dir.name, "rows": coverage}
     splits = {"train": Selection(data.train, used), "eval": Selection(data.eval, torch.arange(len(data.eval)))}
-    path, built = ensure(root, key, spec, splits, load, dist, device, cfg.data.micro_batch_size,
-                         cfg.loss.ignore_index, info, announce)
+    path, built = ensure(root, key, spec, splits, produce, dist, device, cfg.data.micro_batch_size, info, announce)
     if built is not None:
         log.info("teacher cache: built %s in %s in %.1f s (%d teacher tokens, %d ranks); the teacher is unloaded",
                  spec.describe(), path, built["seconds"], built["teacher_tokens"], built["ranks"])
     else:
         log.info("teacher cache: reused %s in %s (the teacher is not loaded)", spec.describe(), path)
-    ce, kl = SEMANTICS[spec.method]
     record = {"source": "cache", "method": spec.method, "k": spec.k, "temperature": spec.temperature, "rows": coverage,
               "bytes_per_position": spec.bytes_per_position(), "dir": str(path), "built": built is not None,
-              "build": built, "ready": True, "teacher_ce": ce, "kl": kl.format(k=spec.k, t=spec.temperature),
+              "build": built, "ready": True, **described,
               "kl_temperature": 1.0 if spec.method == "full" else spec.temperature}
-    return Teacher(CachedTeacher(CachedSplit(path, "train", data.train), device),
-                   CachedTeacher(CachedSplit(path, "eval", data.eval), device), record)
+    return Teacher(source(CachedSplit(path, "train", data.train)), source(CachedSplit(path, "eval", data.eval)), record)

@@ -1,12 +1,15 @@
 """A teacher with another tokenizer (kdsweep.teacher.cross), as whole jobs on the embedded zoo: the second teacher
 (teacher=tiny_other, its own SentencePiece-style BPE) distils into the tiny student with gold and uld, run.json
 says what the numbers are and counts what did not align; the tiny teacher forced through the cross-tokenizer path
-(a test-only switch) gives the same-tokenizer run's numbers."""
+(a test-only switch) gives the same-tokenizer run's numbers; a sweep over the teacher builds one teacher-logit
+cache per teacher, and the second teacher's cache trains as the live teacher."""
 
 from __future__ import annotations
 
 import json
 import math
+
+import yaml
 from pathlib import Path
 
 import pytest
@@ -112,3 +115,59 @@ def test_two_ranks_equal_one_rank_across_tokenizers(cross_runs, tmp_path):
         for key in ("loss", "ce", "kd", "kl", "student_ce", "teacher_ce", "grad_norm"):
             if key in x:
                 assert y[key] == pytest.approx(x[key], abs=1e-5, rel=1e-5), (x["kind"], x["step"], key)
+
+
+@pytest.fixture(scope="module")
+def teacher_sweep(tmp_path_factory, other_teacher):
+    """4 trials over teacher=choice(tiny,tiny_other) (two of each, enqueued), reading teacher-logit caches."""
+    root = tmp_path_factory.mktemp("pick")
+    body = {"defaults": [{"override /hydra/sweeper": "kdsweep_optuna"}],
+            "hydra": {"sweeper": {"study_name": "pick", "poll_s": 0.2, "n_trials": 4, "max_concurrent": 2,
+                                  "sampler": "random", "pruner": "none",
+                                  "params": {"teacher": "choice(tiny,tiny_other)"},
+                                  "enqueue": [{"teacher": t} for t in ("tiny_other", "tiny", "tiny_other", "tiny")]}}}
+    (root / "conf" / "hparams_search").mkdir(parents=True)
+    (root / "conf" / "hparams_search" / "pick.yaml").write_text("# @package _global_\n" + yaml.safe_dump(body))
+    sweep_dir = root / "sweep"
+    kdsweep("-m", "hparams_search=pick", f"hydra.searchpath=[file://{root / 'conf'}]", f"hydra.sweep.dir={sweep_dir}",
+            "teacher.logits=cache", "teacher.cache.method=full", f"teacher.cache.dir={root / 'tc'}",
+            "loss.cross_tokenizer=gold", *SHORT, cwd=root)
+    return sweep_dir, root / "tc"
+
+
+def test_a_sweep_over_the_teacher_builds_one_cache_per_teacher(teacher_sweep):
+    sweep_dir, caches = teacher_sweep
+    records = [read_run(sweep_dir / str(n)) for n in range(4)]
+    by_teacher = {}
+    for r in records:
+        assert r["status"] == "completed" and r["teacher_targets"]["source"] == "cache"
+        by_teacher.setdefault(r["config"]["teacher"]["zoo"], []).append(r)
+    assert sorted(by_teacher) == ["tiny-teacher", "tiny-teacher-other"]
+    assert len([d for d in caches.iterdir() if (d / "meta.json").is_file()]) == 2
+    for zoo, runs in by_teacher.items():
+        assert [r["teacher_targets"]["built"] for r in runs].count(True) == 1, zoo  # one teacher pass each
+        assert len({r["teacher_targets"]["dir"] for r in runs}) == 1
+        assert runs[0]["objective"] == runs[1]["objective"]  # the same trial, one building and one reading
+        reader = next(r for r in runs if not r["teacher_targets"]["built"])
+        assert reader["cost"]["teacher_tokens_computed"] == 0 and reader["cost"]["teacher_tokens_read"] > 0
+        assert ("cross_tokenizer" in reader["teacher_targets"]) == (zoo == "tiny-teacher-other")
+    sweep = json.loads((sweep_dir / "sweep.json").read_text())
+    assert sweep["cost"]["cache_builds"] == 2
+
+
+def test_the_cache_of_a_teacher_with_another_tokenizer_trains_as_the_live_teacher(teacher_sweep, cross_runs):
+    """The second teacher's cached trials against the same job with the live teacher (cross_runs: gold)."""
+    sweep_dir, _ = teacher_sweep
+    live = cross_runs["gold"]
+    for n in (0, 2):  # the trial that built the cache, and one that only read it
+        cached = sweep_dir / str(n)
+        a, b = read_run(live), read_run(cached)
+        assert b["config"]["teacher"]["zoo"] == "tiny-teacher-other"
+        assert b["objective"] == pytest.approx(a["objective"], abs=1e-5)
+        assert b["alignment"] == a["alignment"]  # the cache counts what did not align as the live teacher does
+        assert b["teacher_targets"]["cross_tokenizer"] == a["teacher_targets"]["cross_tokenizer"]
+        for x, y in zip(read_metrics(live), read_metrics(cached), strict=True):
+            assert (x["kind"], x["step"]) == (y["kind"], y["step"])
+            for key in ("loss", "ce", "kd", "kl", "student_ce", "teacher_ce", "grad_norm"):
+                if key in x:
+                    assert y[key] == pytest.approx(x[key], abs=1e-5, rel=1e-5), (n, x["kind"], x["step"], key)

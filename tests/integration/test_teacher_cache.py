@@ -270,8 +270,8 @@ def other_tokenizer(tmp_path_factory):
 
 
 BAD = {
-    "tokenizer": (["model.path={tok}/student_a", "teacher.path={tok}/teacher_b", "data.seq_len=16"],
-                  "teacher.logits=cache does not hold the targets of a teacher with another tokenizer"),
+    "cross_tokenizer_sample": (["model.path={tok}/student_a", "teacher.path={tok}/teacher_b", "data.seq_len=16"],
+                               "teacher.cache.method=sample cannot keep what a teacher with another tokenizer gives"),
     "divergence": (["loss.divergence=reverse_kl"],
                    "loss.divergence=reverse_kl cannot be trained from teacher.cache.method=sample"),
     "temperature": (["teacher.cache.method=topk", "teacher.cache.temperature=2.0"],

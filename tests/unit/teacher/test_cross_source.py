@@ -146,3 +146,40 @@ def test_one_token_for_bos_and_eos_begins_a_row_and_ends_a_document():
     assert specials == [t.bos_token_id, t.eos_token_id]  # the first begins (nothing predicts it), the last ends
     pairs = dict(zip(vocab_map_of(gpt2_like, t, len(t)).student.tolist(), vocab_map_of(gpt2_like, t, len(t)).teacher.tolist()))
     assert pairs[eos] == t.eos_token_id
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_what_the_cache_keeps_of_a_batch_gives_the_live_loss_and_gradients(packed):
+    """A cross-tokenizer teacher's cache (kdsweep.teacher.cross_cache) keeps its targets on the student's positions:
+    read back, they give the live teacher's loss and gradients at the loss's temperature, and its logged distance
+    at 1, with the same alignment counts (row 0 is cut inside a word)."""
+    from kdsweep.teacher.cache import Spec
+    from kdsweep.teacher.cross_cache import from_fields, span_fields
+
+    batch = student_batch("byte_level", packed, T=40)
+    s, t = tokenizer("byte_level"), tokenizer("metaspace")
+    spec = Spec(method="full", k=0, temperature=2.0, seed=0, vocab=len(t), dtype="float32", aligned=True)
+    for loss in ("gold", "uld"):
+        cross = source("byte_level", "metaspace", tiny_model(len(t), seed=4), loss=loss)
+        built, unaligned = cross.build(batch)
+        fields = span_fields(built, unaligned, *batch.input_ids.shape, spec)
+        scoring = {"student_vocab": len(s), "loss": loss, "vocab_map": cross.vocab_map}
+        kept, dropped, cut = from_fields(fields, batch.labels, spec, scoring, torch.device("cpu"))
+        assert (dropped, cut) == (built.dropped, sum(unaligned)) and kept.extent == built.targets.extent
+        assert 0 < len(kept.extent) < int((batch.labels != IGNORE).sum())  # the cut word's tail takes no term
+        for temperature in (2.0, 1.0):
+            grads = []
+            for targets in (built.targets, kept):
+                logits = torch.randn(*batch.input_ids.shape, len(s), generator=torch.Generator().manual_seed(5))
+                logits.requires_grad_()
+                sums = kd_loss_sums(logits, targets, batch.labels, ignore_index=IGNORE, temperature=temperature,
+                                    num_chunks=3)
+                (sums.kd + sums.kl).backward()
+                grads.append((sums, logits.grad))
+            (want, g_want), (got, g_got) = grads
+            for a, b in zip(got, want):
+                assert a.item() == pytest.approx(b.item(), rel=1e-6, abs=1e-7), (loss, temperature)
+            assert torch.allclose(g_got, g_want, rtol=1e-5, atol=1e-8)
+    with pytest.raises(ValueError, match="continuation at T="):  # a temperature it did not keep: never silently
+        kd_loss_sums(torch.randn(*batch.input_ids.shape, len(s)), kept, batch.labels, ignore_index=IGNORE,
+                     temperature=3.0)
