@@ -56,7 +56,8 @@ def validate(raw: dict[str, Any]) -> RunConfig:
     from kdsweep.models.check import preflight_models, preflight_targets
 
     cfg = to_run_config(raw)
-    preflight_models(cfg)
+    for _, view in cfg.teacher_views():  # each teacher with the student
+        preflight_models(view)
     preflight_targets(cfg)
     preflight_data(cfg)
     return cfg

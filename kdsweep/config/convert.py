@@ -14,6 +14,8 @@ from kdsweep.config.schema import ConfigError, RunConfig
 SWEEP_KNOBS = ("kd_ratio", "lr", "lora_rank", "lmbda")
 KNOB_TARGETS = {"kd_ratio": ("loss", "kd_ratio"), "lr": ("optim", "lr"), "lora_rank": ("model", "lora_rank"),
                 "lmbda": ("rollout", "lmbda")}
+LISTS = ("teachers",)
+"""Top-level keys of the run config that are neither a group nor a knob: set whole (``teachers=[...]``)."""
 # Keys the Hydra app adds beside the run config; they are not part of it.
 IGNORED_KEYS = ("hydra",)
 
@@ -94,8 +96,8 @@ def check_key(key: str, groups: tuple[str, ...]) -> None:
     if head in groups and not rest:
         return  # a group choice such as model=tiny
     if not rest:
-        if head not in SWEEP_KNOBS and head not in groups:
-            valid = ", ".join([*SWEEP_KNOBS, *groups])
+        if head not in SWEEP_KNOBS and head not in groups and head not in LISTS:
+            valid = ", ".join([*SWEEP_KNOBS, *LISTS, *groups])
             raise ConfigError(f"unknown config key '{key}'; top-level keys are: {valid}")
         return
     cls: Any = RunConfig

@@ -7,7 +7,7 @@ whose message names the field and the fix.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 class ConfigError(ValueError):
@@ -130,6 +130,19 @@ class TeacherConfig(ModelSource):
         self._validate("teacher")
         _check(self.logits in TEACHER_LOGITS,
                f"teacher.logits={self.logits} is unknown; use live (run the teacher) or cache (read a teacher pass)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TeacherMember(ModelSource):
+    """One of several teachers (``teachers=[...]``): where it comes from and its weight; how its targets are had
+    (``teacher.logits``, ``teacher.cache``) is the ``teacher`` section's, for each teacher (each its own cache)."""
+
+    weight: float = 1.0
+    """Its share of the KD term: the term is the weighted mean of the divergences to each teacher
+    (kdsweep.losses.mixture); weights are normalised, so only their ratios count."""
+
+    def __post_init__(self) -> None:
+        self._validate("teachers[]")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -552,6 +565,10 @@ class RunConfig:
     """The run directory: checkpoints, exports, metrics and records go here."""
     model: StudentConfig = field(default_factory=lambda: StudentConfig(zoo="tiny-student"))
     teacher: TeacherConfig = field(default_factory=lambda: TeacherConfig(zoo="tiny-teacher"))
+    teachers: tuple[TeacherMember, ...] = ()
+    """Several teachers distilled at once, each with its own tokenizer and a weight (their KD term: the weighted
+    mean of the divergences to each); when set, ``teacher.path``/``teacher.zoo`` are not read, its ``logits`` and
+    ``cache`` apply to every teacher. Empty: the one ``teacher``."""
     data: DataConfig = field(default_factory=DataConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -565,6 +582,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         _check(bool(self.output_dir), "output_dir is empty; pass hydra.run.dir=<directory>")
+        self._check_teachers()
         self._check_cache()
         self._check_rollout()
         pr = self.profiler
@@ -573,6 +591,29 @@ class RunConfig:
             f"profiler.wait+warmup+active={pr.wait + pr.warmup + pr.active} steps exceed train.max_steps="
             f"{self.train.max_steps}, so no trace would be written; lower profiler.active or profiler.wait",
         )
+
+    def teacher_views(self) -> list[tuple[float, "RunConfig"]]:
+        """Each teacher's weight and the config as that teacher's alone (``teacher`` is it, ``teachers`` empty):
+        one view of weight 1 without ``teachers``."""
+        if not self.teachers:
+            return [(1.0, self)]
+        return [(m.weight, replace(self, teacher=replace(self.teacher, path=m.path, zoo=m.zoo), teachers=()))
+                for m in self.teachers]
+
+    def _check_teachers(self) -> None:
+        """Weights that make a mean, and what several teachers cannot do yet: one line each."""
+        if not self.teachers:
+            return
+        for i, m in enumerate(self.teachers):
+            _check(m.weight >= 0, f"teachers.{i}.weight={m.weight} is negative; a teacher's weight is its share of the "
+                                  f"KD term: pass teachers.{i}.weight=<0 or more>")
+        weights = [m.weight for m in self.teachers]
+        _check(sum(weights) > 0, f"teachers: the weights {weights} sum to {sum(weights):g}; give at least one teacher "
+                                 "a positive weight, e.g. teachers.0.weight=1")
+        _check(self.loss.impl != "fused", "loss.impl=fused cannot mix several teachers (it computes one teacher's "
+                                          "logits chunk by chunk inside the loss); use loss.impl=chunked")
+        _check(not self.rollout.active, "lmbda and rollout.seq_kd: generation with several teachers is not supported "
+                                        "yet; pass lmbda=0 rollout.seq_kd=false, or one teacher")
 
     @property
     def cache_temperature(self) -> float:

@@ -19,7 +19,6 @@ host-side, so that :meth:`cuts` and :meth:`split` need no device sync.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -27,7 +26,7 @@ import torch
 
 from kdsweep.losses.cross_tokenizer import VocabMap, gold, merge, uld
 from kdsweep.losses.divergences import log_probs
-from kdsweep.losses.targets import chunk_sizes
+from kdsweep.losses.targets import cuts_avoiding
 
 
 class TeacherContinuation(Protocol):
@@ -116,22 +115,15 @@ class Aligned:
     # -- chunks ------------------------------------------------------------------------------------------------
     def cuts(self, num_chunks: int) -> list[int]:
         """The even split's boundaries, each moved past the span it would cut (a chunk may be left empty)."""
-        inside = [False] * (self.n + 1)  # inside[p]: a boundary at p would cut a span
-        for head, last in self.extent:
-            for p in range(head + 1, last + 1):
-                inside[p] = True
-        bounds, previous = [], 0
-        for b in itertools.accumulate(chunk_sizes(self.n, num_chunks)):
-            b = max(b, previous)
-            while b < self.n and inside[b]:
-                b += 1
-            bounds.append(b)
-            previous = b
-        return [b - a for a, b in zip([0, *bounds[:-1]], bounds)]
+        return cuts_avoiding(self.n, num_chunks, self.extent)
 
     def split(self, num_chunks: int) -> list["Aligned"]:
+        return self.split_at(self.cuts(num_chunks))
+
+    def split_at(self, sizes: list[int]) -> list["Aligned"]:
+        """Chunks of these lengths, whose boundaries cut no span."""
         out, lo, first = [], 0, 0
-        for size in self.cuts(num_chunks):
+        for size in sizes:
             count = 0
             while first + count < len(self.extent) and self.extent[first + count][0] < lo + size:
                 count += 1

@@ -23,6 +23,7 @@ are upcast here). Nothing here synchronises with the host.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, fields
 from typing import Callable, Union
 
@@ -42,10 +43,21 @@ def chunk_sizes(n: int, num_chunks: int) -> list[int]:
     return [n // k + (1 if i < n % k else 0) for i in range(k)]
 
 
-def _split(n: int, num_chunks: int, *tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
-    """The token split of :func:`~kdsweep.losses.kd.split_chunks` (kept identical: one rule for every tensor)."""
-    sizes = chunk_sizes(n, num_chunks)
-    return list(zip(*(torch.split(t, sizes, dim=0) for t in tensors)))
+def cuts_avoiding(n: int, num_chunks: int, extents: list[tuple[int, int]]) -> list[int]:
+    """The even split's chunk lengths (:func:`chunk_sizes`), each boundary moved past any span ``(first, last)`` of
+    ``extents`` it would cut (a chunk may be left empty)."""
+    inside = [False] * (n + 1)  # inside[p]: a boundary at p would cut a span
+    for first, last in extents:
+        for p in range(first + 1, last + 1):
+            inside[p] = True
+    bounds, previous = [], 0
+    for b in itertools.accumulate(chunk_sizes(n, num_chunks)):
+        b = max(b, previous)
+        while b < n and inside[b]:
+            b += 1
+        bounds.append(b)
+        previous = b
+    return [b - a for a, b in zip([0, *bounds[:-1]], bounds)]
 
 
 @dataclass
@@ -59,6 +71,8 @@ class Logits:
     kl_temperature: float = 1.0
     """The temperature of the logged KL: 1, since logits give the distribution at any temperature."""
     exact = True
+    extent = ()
+    """Spans of tokens a chunk boundary may not cut: none (:class:`~kdsweep.losses.aligned.Aligned` has some)."""
 
     def __post_init__(self) -> None:  # any leading shape: tokens are flattened, the last dimension kept
         flat = lambda t: None if t is None else t.reshape(-1, t.shape[-1])
@@ -72,9 +86,13 @@ class Logits:
         return chunk_sizes(len(self), num_chunks)
 
     def split(self, num_chunks: int) -> list["Logits"]:
+        return self.split_at(self.cuts(num_chunks))
+
+    def split_at(self, sizes: list[int]) -> list["Logits"]:
+        """Chunks of these token lengths (every kind: a mixture splits its teachers' targets alike)."""
         if self.logits is not None:
-            return [Logits(logits=c) for (c,) in _split(len(self), num_chunks, self.logits)]
-        return [Logits(hidden=c, head=self.head) for (c,) in _split(len(self), num_chunks, self.hidden)]
+            return [Logits(logits=c) for c in torch.split(self.logits, sizes, dim=0)]
+        return [Logits(hidden=c, head=self.head) for c in torch.split(self.hidden, sizes, dim=0)]
 
     @property
     def vocab(self) -> int:
@@ -115,6 +133,7 @@ class _Sparse:
     vocab: int
     """The vocabulary the teacher's distribution was normalised over (the smaller of teacher's and student's)."""
     exact = False
+    extent = ()
 
     def __len__(self) -> int:
         return self.ids.shape[0]
@@ -127,9 +146,12 @@ class _Sparse:
         return chunk_sizes(len(self), num_chunks)
 
     def split(self, num_chunks: int) -> list["_Sparse"]:
+        return self.split_at(self.cuts(num_chunks))
+
+    def split_at(self, sizes: list[int]) -> list["_Sparse"]:
         names = [f.name for f in fields(self) if f.name not in ("temperature", "vocab")]
-        return [type(self)(**dict(zip(names, parts)), temperature=self.temperature, vocab=self.vocab)
-                for parts in _split(len(self), num_chunks, *(getattr(self, n) for n in names))]
+        pieces = zip(*(torch.split(getattr(self, n), sizes, dim=0) for n in names))
+        return [type(self)(**dict(zip(names, parts)), temperature=self.temperature, vocab=self.vocab) for parts in pieces]
 
     def teacher_ce(self, labels: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
         return torch.where(labels != ignore_index, -upcast(self.label_logp), 0.0)

@@ -76,7 +76,8 @@ class WandbSink:
         self._state_path = out / "wandb" / "kdsweep_logged.json"
         resumed = resume_step > 0 and self._state_path.exists()  # a fresh start logs everything again
         self._last = tuple(json.loads(self._state_path.read_text())) if resumed else (-1, -1)
-        tags = [*w.tags, f"teacher:{_model_name(cfg.teacher)}", f"student:{_model_name(cfg.model)}"]
+        teachers = [f"teacher:{_model_name(view.teacher)}" for _, view in cfg.teacher_views()]
+        tags = [*w.tags, *teachers, f"student:{_model_name(cfg.model)}"]
         init = dict(project=w.project, entity=w.entity, group=group, name=name, id=run_id, resume="allow", tags=tags,
                     config=config, dir=str(out), settings=wandb.Settings(console="off", silent=True))
         try:

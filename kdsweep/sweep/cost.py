@@ -28,9 +28,15 @@ def _record(entry: dict[str, Any]) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+def _teachers(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """A run's teachers' targets records: its one teacher's, or each of several's (``teachers=[...]``)."""
+    targets = record.get("teacher_targets") or {}
+    return targets.get("teachers") or [targets]
+
+
 def _build_stats(records: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The cache build's measured cost: the trial that built it, or the cache's own meta.json (an earlier sweep)."""
-    targets = [r.get("teacher_targets") or {} for r in records]
+    targets = [t for r in records for t in _teachers(r)]
     built = next((t["build"] for t in targets if t.get("build")), None)
     if built is None:
         cache = next((Path(t["dir"]) / "meta.json" for t in targets if t.get("dir")), None)
@@ -52,14 +58,14 @@ def sweep_cost(manifest: Manifest) -> dict[str, Any]:
             per_step = r["cost"]["loop_seconds"] * r["cost"]["device_seconds"] / r["cost"]["trial_seconds"] / steps
             pruning += (max_steps - r.get("steps", steps)) * per_step
     build = _build_stats([r for _, r in records])
-    cache, readers = 0.0, sum(1 for _, r in records if (r.get("teacher_targets") or {}).get("source") == "cache"
-                              and not (r.get("teacher_targets") or {}).get("built"))
+    cache, readers = 0.0, sum(1 for _, r in records for t in _teachers(r) if t.get("source") == "cache"
+                              and not t.get("built"))
     if build and build.get("teacher_tokens"):
         per_token = build["device_seconds"] / build["teacher_tokens"]
         cache = total["teacher_tokens_read"] * per_token + readers * build.get("teacher_load_s", 0.0) * build["ranks"]
     live = total["device_seconds"] + pruning + cache
-    return {**total, "trials": len(records), "cache_builds": sum(1 for _, r in records
-                                                                 if (r.get("teacher_targets") or {}).get("built")),
+    return {**total, "trials": len(records), "cache_builds": sum(1 for _, r in records for t in _teachers(r)
+                                                                 if t.get("built")),
             "saved_by_pruning_device_seconds": pruning, "saved_by_cache_device_seconds": cache,
             "live_no_pruning_device_seconds": live, "ratio": total["device_seconds"] / live if live else None}
 

@@ -38,15 +38,20 @@ class Teacher:
     train: TeacherSource
     eval: TeacherSource
     record: dict[str, Any]
+    identity: str
+    """What its targets are made of (its cache, or its weights' content): the sweep's shared baseline is keyed by it."""
 
     def tokens(self) -> dict[str, int]:
-        """Teacher tokens (positions) computed by a model and read from a cache, by this rank so far."""
+        """Teacher tokens (positions) computed by a model and read from a cache, by this rank so far; and a
+        cross-tokenizer teacher's alignment over the training steps' batches (summed over several teachers)."""
         sources = {id(s): s for s in (self.train, self.eval)}.values()
         counts = {"teacher_tokens_computed": sum(s.tokens_computed for s in sources),
                   "teacher_tokens_read": sum(s.tokens_read for s in sources)}
-        for name in ALIGNMENT_FIELDS:  # a cross-tokenizer teacher's alignment, over the training steps' batches
-            if hasattr(self.train, name):
-                counts[name] = getattr(self.train, name)
+        members = getattr(self.train, "sources", [self.train])  # a mixture's teachers, or this one
+        for name in ALIGNMENT_FIELDS:
+            having = [getattr(s, name) for s in members if hasattr(s, name)]
+            if having:
+                counts[name] = sum(having)
         return counts
 
 
@@ -139,10 +144,11 @@ def cross_pair(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: RunDa
 def open_teacher(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: RunData, dist: DistEnv,
                  device: torch.device, announce: Callable[[dict[str, float]], None] = lambda progress: None,
                  keep: Callable[[str, Callable[[], Hashable], Callable[[], Any]], Any] = lambda kind, key, build: build(),
-                 ) -> Teacher:
+                 slot: str = "") -> Teacher:
     """The job's teacher; ``announce`` hears how a cache build progresses (rank 0: seconds so far and to go).
     ``keep(kind, key, build)``: how a worker keeps a live teacher's weights while its files, dtype and sharding stay
-    the same (``train.kept.Kept.get``); a plain job builds it."""
+    the same (``train.kept.Kept.get``); a plain job builds it. ``slot``: which of several teachers this is (each
+    kept apart)."""
     from kdsweep.models.load import load_teacher
 
     load = lambda: load_teacher(teacher_dir, cfg.train.dtype, device, dist, cfg.dist)
@@ -153,12 +159,13 @@ def open_teacher(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: Run
             return digest, cfg.train.dtype, str(device), dist.world_size, (
                 d.mixed_precision, d.reshard_after_forward, d.cpu_offload, d.compile)
 
-        model = keep("live_teacher", key, load)
+        model = keep(f"live_teacher{slot}", key, load)
+        identity = teacher_hash(teacher_dir, cache_root(cfg) / "hashes")
         if cross_tokenizer(cfg):
             pair = cross_pair(cfg, teacher_dir, student_dir, data, device)
-            return Teacher(pair.live(model), pair.live(model), {"source": "live", **pair.record})
+            return Teacher(pair.live(model), pair.live(model), {"source": "live", **pair.record}, identity)
         live = LiveTeacher(model, fused=cfg.loss.impl == "fused")
-        return Teacher(live, live, {"source": "live", "teacher_ce": "exact", "kl": "exact (T=1)"})
+        return Teacher(live, live, {"source": "live", "teacher_ce": "exact", "kl": "exact (T=1)"}, identity)
     if cross_tokenizer(cfg):
         return cached_teacher(cfg, teacher_dir, student_dir, data, dist, device, announce, load,
                               cross_pair(cfg, teacher_dir, student_dir, data, device))
@@ -205,4 +212,5 @@ def cached_teacher(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: R
               "bytes_per_position": spec.bytes_per_position(), "dir": str(path), "built": built is not None,
               "build": built, "ready": True, **described,
               "kl_temperature": 1.0 if spec.method == "full" else spec.temperature}
-    return Teacher(source(CachedSplit(path, "train", data.train)), source(CachedSplit(path, "eval", data.eval)), record)
+    return Teacher(source(CachedSplit(path, "train", data.train)), source(CachedSplit(path, "eval", data.eval)), record,
+                   path.name)

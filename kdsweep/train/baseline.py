@@ -25,23 +25,22 @@ from kdsweep.data.key import cache_root as data_cache_root
 from kdsweep.data.sources import content_hash
 from kdsweep.distributed import DistEnv
 from kdsweep.metrics.records import write_json_atomic
-from kdsweep.teacher.cache import cache_root, teacher_hash
 from kdsweep.train.step import EvalResult
 
 log = logging.getLogger(__name__)
 
 
-def baseline_path(cfg: RunConfig, student_dir: Path, teacher_dir: Path, teacher_record: dict[str, Any], data_key: str,
-                  world_size: int) -> Path | None:
+def baseline_path(cfg: RunConfig, student_dir: Path, teacher_identity: str, teacher_record: dict[str, Any],
+                  data_key: str, world_size: int) -> Path | None:
     """Where this trial's baseline is kept in its sweep; None for a run that is not a sweep's trial. The teacher
-    counts by its cache (which names its weights) or by its weights' content."""
+    counts by its identity (its cache, which names its weights, or its weights' content; several teachers, each
+    and its weight) and by the distance it logs (a teacher with another tokenizer: its loss and weights)."""
     if not cfg.trial.sweep_dir:
         return None
     memo = data_cache_root(cfg.data) / "hashes"
-    teacher_identity = (Path(teacher_record["dir"]).name if "dir" in teacher_record
-                        else teacher_hash(teacher_dir, cache_root(cfg) / "hashes"))
-    parts = [1, content_hash(str(student_dir), memo), teacher_identity, data_key, cfg.train.dtype,
-             cfg.dist.mixed_precision, cfg.data.max_eval_sequences, cfg.loss.ignore_index, cfg.loss.impl, world_size]
+    parts = [1, content_hash(str(student_dir), memo), teacher_identity, teacher_record.get("kl"), data_key,
+             cfg.train.dtype, cfg.dist.mixed_precision, cfg.data.max_eval_sequences, cfg.loss.ignore_index,
+             cfg.loss.impl, world_size]
     key = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:20]
     return Path(cfg.trial.sweep_dir) / "baselines" / f"{key}.json"
 

@@ -26,6 +26,7 @@ from kdsweep.distributed import DistEnv
 from kdsweep.metrics.records import SHARED_THREADS, RunRecord, job_started
 from kdsweep.models.load import load_tokenizer, resolve_dir
 from kdsweep.teacher.job import Teacher, open_teacher
+from kdsweep.teacher.mixture import mix
 from kdsweep.train.kept import Kept
 
 log = logging.getLogger(__name__)
@@ -34,8 +35,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class Sources:
     student_dir: Path
-    teacher_dir: Path
-    """The models' HF directories (a hub id's snapshot, a zoo model's build)."""
+    teacher_dirs: list[Path]
+    """The models' HF directories (a hub id's snapshot, a zoo model's build): the student's, each teacher's."""
     tokenizer: Any
     data: RunData
     train_rows: Rows
@@ -66,7 +67,9 @@ def open_sources(cfg: RunConfig, dist: DistEnv, device: torch.device, kept: Kept
     """The run's rows and its teacher (a live model, or the teacher-logit cache, built first if nobody has yet)."""
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    student_dir, teacher_dir = resolve_dir(cfg.model), resolve_dir(cfg.teacher, "teacher")
+    views = cfg.teacher_views()  # each teacher's weight, and the config as that teacher's alone
+    student_dir = resolve_dir(cfg.model)
+    teacher_dirs = [resolve_dir(view.teacher, "teacher") for _, view in views]
     d = cfg.data
     tokenizer, data = open_data(cfg, student_dir, kept)
     train_rows, eval_rows = data.train, data.eval.head(d.max_eval_sequences)
@@ -86,7 +89,9 @@ def open_sources(cfg: RunConfig, dist: DistEnv, device: torch.device, kept: Kept
             started = time.time() - job_started() - progress["elapsed_s"]
             record.update(teacher_targets={"building": True, "startup_s": started, **progress})
 
-    teacher = open_teacher(cfg, teacher_dir, student_dir, data, dist, device, building, kept.get)
+    teachers = [open_teacher(view, teacher_dir, student_dir, data, dist, device, building, kept.get, slot=f"{i or ''}")
+                for i, ((_, view), teacher_dir) in enumerate(zip(views, teacher_dirs))]
+    teacher = teachers[0] if not cfg.teachers else mix(teachers, [w for w, _ in views], [str(d) for d in teacher_dirs])
     if record is not None:  # the sweep controller starts the other trials once a cache is ready
         record.update(teacher_targets=teacher.record, kept=list(kept.reused))
     if kept.reused:
@@ -94,4 +99,4 @@ def open_sources(cfg: RunConfig, dist: DistEnv, device: torch.device, kept: Kept
     if os.environ.get(SHARED_THREADS) and not cfg.train.threads:  # it built the cache alone: now it shares the cores
         torch.set_num_threads(int(os.environ[SHARED_THREADS]))
     timings["teacher_s"] = time.perf_counter() - t0
-    return Sources(student_dir, teacher_dir, tokenizer, data, train_rows, eval_rows, sampler, teacher, stats, timings)
+    return Sources(student_dir, teacher_dirs, tokenizer, data, train_rows, eval_rows, sampler, teacher, stats, timings)

@@ -99,7 +99,7 @@ def start_trial(cfg: RunConfig, dist: DistEnv, device: torch.device, src: Source
         start_step, eval_before = state["step"], EvalResult(**state["eval_before"])
         log.info("resumed from %s (step %d)", resume_from, start_step)
     else:
-        where = baseline_path(cfg, src.student_dir, src.teacher_dir, teacher.record, src.data.cache_dir.name,
+        where = baseline_path(cfg, src.student_dir, teacher.identity, teacher.record, src.data.cache_dir.name,
                               dist.world_size)
         start_step, (eval_before, src.timings["baseline_reused"]) = 0, baseline(where, evaluate_now, dist)
     log.info(
@@ -111,7 +111,8 @@ def start_trial(cfg: RunConfig, dist: DistEnv, device: torch.device, src: Source
     if start_step == 0:
         metrics.log("eval", 0, asdict(eval_before))
     if record is not None:
-        record.update(models={"student": str(src.student_dir), "teacher": str(src.teacher_dir)},  # a hub id's snapshot
+        teachers = [str(d) for d in src.teacher_dirs]  # a hub id's snapshot
+        record.update(models={"student": str(src.student_dir), "teacher": teachers[0] if len(teachers) == 1 else teachers},
                       timings=src.timings, data=src.stats, resumed_from=str(resume_from) if resume_from else None,
                       start_step=start_step, wandb=wandb_info)
     return Trial(student, rollout, optimizer, scheduler, evaluate_now, meter, start_step, eval_before, metrics)

@@ -46,6 +46,8 @@ CASES = {
     "cross_tokenizer_chat": (["teacher=tiny_other", "data=chat", "data.datasets.0.path={root}/chat.jsonl",
                               "data.chat_template={root}/chat.jinja"],
                              "data.datasets[0].format=chat: a teacher with another tokenizer reads plain text only"),
+    "teachers_weights": (["teachers=[{{zoo:tiny-teacher,weight:0}},{{zoo:tiny-teacher-other,weight:0}}]"],
+                         "teachers: the weights [0.0, 0.0] sum to 0"),
     "cross_tokenizer_weights": (["teacher=tiny_other", "loss.gold_matched_weight=0.5"],
                                 "loss.gold_matched_weight=0.5 and loss.gold_unmatched_weight=None: give both"),
     "empty_data": (["data=text", "data.datasets.0.path={root}/empty.txt"], "data.datasets[0].path: {root}/empty.txt is empty"),

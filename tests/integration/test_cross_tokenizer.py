@@ -171,3 +171,48 @@ def test_the_cache_of_a_teacher_with_another_tokenizer_trains_as_the_live_teache
             for key in ("loss", "ce", "kd", "kl", "student_ce", "teacher_ce", "grad_norm"):
                 if key in x:
                     assert y[key] == pytest.approx(x[key], abs=1e-5, rel=1e-5), (n, x["kind"], x["step"], key)
+
+
+@pytest.fixture(scope="module")
+def mixtures(tmp_path_factory, teacher_sweep):
+    """Both teachers at once (weights 1 and 3), and the second alone as a mixture of one (weight 2), from the
+    teacher sweep's caches: each teacher's targets cached on their own, found built."""
+    _, caches = teacher_sweep
+    root = tmp_path_factory.mktemp("mixtures")
+    teachers = {"both": "[{zoo:tiny-teacher,weight:1},{zoo:tiny-teacher-other,weight:3}]",
+                "one": "[{zoo:tiny-teacher-other,weight:2}]"}
+    for name, members in teachers.items():
+        kdsweep(f"teachers={members}", "teacher.logits=cache", "teacher.cache.method=full",
+                f"teacher.cache.dir={caches}", *SHORT, f"hydra.run.dir={root / name}", cwd=root)
+    return {name: root / name for name in teachers}
+
+
+def test_several_teachers_mix_their_divergences_each_from_its_own_cache(mixtures, teacher_sweep):
+    sweep_dir, caches = teacher_sweep
+    alone = {read_run(sweep_dir / str(n))["config"]["teacher"]["zoo"]: read_run(sweep_dir / str(n)) for n in (0, 1)}
+    both = read_run(mixtures["both"])
+    targets = both["teacher_targets"]
+    assert both["status"] == "completed" and targets["source"] == "mixture"
+    assert [m["weight"] for m in targets["teachers"]] == [0.25, 0.75]
+    assert [m["source"] for m in targets["teachers"]] == ["cache", "cache"] and not any(m["built"] for m in targets["teachers"])
+    assert {m["dir"] for m in targets["teachers"]} == {r["teacher_targets"]["dir"] for r in alone.values()}
+    assert "cross_tokenizer" in targets["teachers"][1] and "cross_tokenizer" not in targets["teachers"][0]
+    assert both["cost"]["teacher_tokens_computed"] == 0 and len(list(caches.glob("*/meta.json"))) == 2
+    assert both["alignment"]["kd_spans"] > 0  # the second teacher's spans
+    # before any step the student is every teacher's: the held-out distance and teacher CE are the weighted means
+    first, second = alone["tiny-teacher"]["eval_before"], alone["tiny-teacher-other"]["eval_before"]
+    for key in ("kl", "teacher_ce"):
+        assert both["eval_before"][key] == pytest.approx(0.25 * first[key] + 0.75 * second[key], rel=1e-6), key
+    assert both["eval_before"]["student_ce"] == pytest.approx(first["student_ce"], rel=1e-6)
+    assert both["objective"] != alone["tiny-teacher"]["objective"] and both["objective"] != alone["tiny-teacher-other"]["objective"]
+
+
+def test_one_teacher_as_a_mixture_of_one_is_that_teacher(mixtures, teacher_sweep):
+    sweep_dir, _ = teacher_sweep
+    one, alone = mixtures["one"], sweep_dir / "0"  # trial 0: the second teacher, from the same cache
+    assert read_run(alone)["config"]["teacher"]["zoo"] == "tiny-teacher-other"
+    assert read_run(one)["objective"] == pytest.approx(read_run(alone)["objective"], abs=1e-6)
+    for x, y in zip(read_metrics(alone), read_metrics(one), strict=True):
+        for key in ("loss", "ce", "kd", "kl", "student_ce", "teacher_ce", "grad_norm"):
+            if key in x:
+                assert y[key] == pytest.approx(x[key], abs=1e-6, rel=1e-6), (x["kind"], x["step"], key)

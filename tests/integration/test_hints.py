@@ -43,6 +43,16 @@ CONFIG = {
                         "model.target_modules=[no_such]"], "use a preset: all-linear", ["model.target_modules=all-linear"]),
     "mixed_tokenizers": (["model.path={root}/llama", "data.seq_len=32"],  # beside the embedded teacher
                          "pick a teacher with the same tokenizer as the model", ["teacher.path={root}/llama"]),
+    "teachers_weights_zero": (["teachers=[{{zoo:tiny-teacher,weight:0}},{{zoo:tiny-teacher-other,weight:0}}]"],
+                              "teachers: the weights [0.0, 0.0] sum to 0; give at least one teacher a positive weight, "
+                              "e.g. teachers.0.weight=1", ["teachers.0.weight=1"]),
+    "teachers_negative_weight": (["teachers=[{{zoo:tiny-teacher,weight:1}},{{zoo:tiny-teacher-other,weight:-1}}]"],
+                                 "teachers.1.weight=-1.0 is negative", ["teachers.1.weight=0.5"]),
+    "teachers_fused": (["teachers=[{{zoo:tiny-teacher}},{{zoo:tiny-teacher-other}}]", "loss.impl=fused"],
+                       "loss.impl=fused cannot mix several teachers", ["loss.impl=chunked"]),
+    "teachers_rollout": (["teachers=[{{zoo:tiny-teacher}},{{zoo:tiny-teacher-other}}]", "rollout=on_policy"],
+                         "generation with several teachers is not supported yet; pass lmbda=0 rollout.seq_kd=false",
+                         ["lmbda=0", "rollout.seq_kd=false"]),
 }
 
 
