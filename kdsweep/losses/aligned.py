@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from kdsweep.losses.cross_tokenizer import VocabMap, gold, merge, uld
+from kdsweep.losses.cross_tokenizer import VocabMap, gold, merge, uld, uld_scale
 from kdsweep.losses.divergences import log_probs
 from kdsweep.losses.targets import cuts_avoiding
 
@@ -159,10 +159,11 @@ class Aligned:
 
     def _score(self, log_q: torch.Tensor, divergence: str, beta: float, temperature: float) -> torch.Tensor:
         q, p = self._merged(log_q, temperature)
+        scale = uld_scale(divergence, temperature)  # the loss's factor is the divergence's; ULD's part carries T
         if self.loss == "uld":
-            per_span = uld(q, p)
+            per_span = scale * uld(q, p)
         else:
-            per_span = gold(q, p, self.vocab_map, divergence, beta, self.w_matched, self.w_unmatched)
+            per_span = gold(q, p, self.vocab_map, divergence, beta, self.w_matched, self.w_unmatched, scale)
         return log_q.new_zeros(self.n, dtype=per_span.dtype).index_put((self.head,), per_span)
 
     def divergence(self, log_q: torch.Tensor, divergence: str, beta: float, temperature: float) -> torch.Tensor:

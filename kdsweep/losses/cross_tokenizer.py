@@ -22,6 +22,9 @@ it leaves out kept as one more outcome so that p̃ is a distribution (a one-toke
   the teacher's vocabulary, ``w_unmatched = 1 − w_matched``. When the two vocabularies are one (every token shared)
   and every span is one token, GOLD is the same-tokenizer divergence exactly.
 
+Temperature: the loss multiplies the KD term by the chosen divergence's factor (T², or T for tvd); ULD, an L1
+distance like TVD, carries T instead (:func:`uld_scale` corrects its part; nothing changes at T = 1).
+
 Shapes: merged log-probabilities ``[n, V + 1]`` (the last column is rest) in fp32 or float64; per-span values
 ``[n]``. Nothing here synchronises with the host.
 """
@@ -34,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kdsweep.losses.divergences import divergence_per_token, finite_teacher, upcast
+from kdsweep.losses.divergences import divergence_per_token, finite_teacher, temperature_factor, upcast
 
 CROSS_TOKENIZER_LOSSES = ("gold", "uld")
 """The values of ``loss.cross_tokenizer``."""
@@ -106,10 +109,12 @@ def _with_rest(only: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def gold(log_q: torch.Tensor, log_p: torch.Tensor, vocab: VocabMap, divergence: str = "forward_kl",
-         beta: float = 0.5, w_matched: float | None = None, w_unmatched: float | None = None) -> torch.Tensor:
+         beta: float = 0.5, w_matched: float | None = None, w_unmatched: float | None = None,
+         uld_scale: float = 1.0) -> torch.Tensor:
     """``[n]`` GOLD between the student's merged log-probs ``log_q`` ``[n, Vs + 1]`` and the teacher's ``log_p``
     ``[n, Vt + 1]``: ``w_matched``·D(teacher, student) over the shared tokens and one "other" outcome, plus
-    ``w_unmatched``·ULD over the outcomes neither shares (GOLD's weights when None)."""
+    ``w_unmatched``·``uld_scale``·ULD over the outcomes neither shares (GOLD's weights when None; ``uld_scale``: see
+    :func:`uld_scale`)."""
     log_q, log_p = upcast(log_q), upcast(log_p)
     w_m = vocab.matched_share if w_matched is None else w_matched
     w_u = 1.0 - w_m if w_unmatched is None else w_unmatched
@@ -121,7 +126,14 @@ def gold(log_q: torch.Tensor, log_p: torch.Tensor, vocab: VocabMap, divergence: 
     matched = divergence_per_token(divergence, finite_teacher(coarse_q), finite_teacher(coarse_p), beta=beta)
     if w_u == 0.0:
         return w_m * matched
-    return w_m * matched + w_u * sorted_l1(log_q[:, q_other], log_p[:, p_other])
+    return w_m * matched + w_u * uld_scale * sorted_l1(log_q[:, q_other], log_p[:, p_other])
 
 
-__all__ = ["CROSS_TOKENIZER_LOSSES", "VocabMap", "gold", "log1mexp", "merge", "sorted_l1", "uld"]
+def uld_scale(divergence: str, temperature: float) -> float:
+    """What ULD's part is multiplied by so that, after the loss's temperature factor for ``divergence`` (T², or T
+    for tvd), it carries T: ULD is an L1 distance between probabilities, first-order like TVD, whose gradient
+    shrinks as 1/T (T² would over-weight it at T > 1). 1 at T = 1."""
+    return temperature_factor("tvd", temperature) / temperature_factor(divergence, temperature)
+
+
+__all__ = ["CROSS_TOKENIZER_LOSSES", "VocabMap", "gold", "log1mexp", "merge", "sorted_l1", "uld", "uld_scale"]

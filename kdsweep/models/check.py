@@ -143,6 +143,35 @@ def check_cross_tokenizer(cfg: RunConfig) -> None:
             raise ConfigError(f"{section}.path={src.path}: its tokenizer writes tokens in a convention kdsweep cannot "
                               "read back into text (byte-level BPE and SentencePiece-style pieces can), so it cannot "
                               f"be aligned with the {other}'s; pick a {other} with the same tokenizer as the {section}")
+    preflight_reads(cfg)
+
+
+READ_PEEK = 8
+"""Samples of the first data source the teacher reads before launch (the job reads its first rows again)."""
+
+
+def preflight_reads(cfg: RunConfig) -> None:
+    """The teacher reads the first samples of the data back as the same text: one line before launch for a tokenizer
+    whose normalisation changes it (lowercasing, characters it has no token for)."""
+    from transformers import AutoTokenizer
+
+    from kdsweep.data.sources import read_rows, train_sources
+    from kdsweep.teacher.reader import RowReader
+
+    dirs = [_source(section, src)[0] or _zoo_tokenizer_dir(src.zoo) for section, src in (("model", cfg.model),
+                                                                                          ("teacher", cfg.teacher))]
+    student, teacher = (AutoTokenizer.from_pretrained(d) for d in dirs)
+    reader = RowReader(student, teacher)
+    key, ds = train_sources(cfg.data)[0]
+    for row in read_rows(ds.path, split=ds.split, key=f"{key}.path", limit=READ_PEEK):
+        text = row.get(ds.text_column)
+        read = reader.read(student(text, add_special_tokens=False)["input_ids"]) if isinstance(text, str) else None
+        if read is not None and read.changed is not None:
+            seen, spelled = (" ".join(t.split())[:60] for t in read.changed)
+            where = f"teacher.path={cfg.teacher.path}" if cfg.teacher.path else f"teacher.zoo={cfg.teacher.zoo}"
+            raise ConfigError(f"{where}: its tokenizer does not give the data's text back as it is (it reads {seen!r} "
+                              f"as {spelled!r}: its normalisation changes the text); use a teacher whose tokenizer "
+                              "keeps the text, or one with the student's tokenizer")
 
 
 def preflight_models(cfg: RunConfig) -> None:

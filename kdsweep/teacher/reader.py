@@ -8,7 +8,10 @@ special tokens are not aligned, and a packed row's documents stay apart (the tea
 student's do). Both sides' offsets are byte offsets into the row's bytes, so that a byte-level token holding part
 of a character still has a place; :func:`~kdsweep.teacher.align.align_spans` reads them as one character per byte
 (``text`` is the bytes decoded as latin-1). Bytes that are not valid UTF-8 (a character cut at the row's edge) are
-not given to the teacher: the student tokens over them stay unaligned.
+not given to the teacher: the student tokens over them stay unaligned. A segment whose teacher tokens do not spell
+it back (the teacher's normalisation changed the text: lowercasing, an unknown character) is not aligned either:
+its bytes are :attr:`Read.changed`, the teacher reads them as context, and the job refuses a teacher that changes
+the first rows it reads (:func:`kdsweep.teacher.job.check_reads`).
 """
 
 from __future__ import annotations
@@ -52,7 +55,10 @@ class Read:
     student_ids: list[int] = field(default_factory=list)
     predictor: list[int | None] = field(default_factory=list)
     skipped: frozenset[int] = frozenset()
-    """Bytes of ``text`` the teacher was not given (not valid UTF-8: a character the row's edge cut)."""
+    """Bytes of ``text`` not aligned: the teacher was not given them (not valid UTF-8: a character the row's edge
+    cut), or its tokens do not spell them (``changed``)."""
+    changed: tuple[str, str] | None = None
+    """The first segment the teacher's tokens spell otherwise, and how they spell it (None: none)."""
 
 
 class RowReader:
@@ -79,13 +85,14 @@ class RowReader:
         predicted by its position, so that the teacher reads it and the spans hold it."""
         text, seq, student, predictor, seg_start = [], [], [], [], 0  # text: a character per byte, a marker per BOS/EOS
         skipped: set[int] = set()  # bytes not given to the teacher (not valid UTF-8: a character the row cut)
+        changed: list[tuple[str, str]] = []  # segments the teacher's tokens spell otherwise
         t_ids, t_off, t_pos = [], [], []
         pos = 0
 
         def flush() -> None:
             nonlocal pos, seg_start
             segment = "".join(text[seg_start:]).encode("latin-1")
-            for i, o in self._teacher_tokens(segment, seg_start, skipped):
+            for i, o in self._teacher_tokens(segment, seg_start, skipped, changed):
                 t_ids.append(i)
                 t_off.append(o)
                 t_pos.append(pos)
@@ -137,11 +144,15 @@ class RowReader:
                 if not add(target, t):
                     break
         flush()
-        return Read("".join(text), student, t_ids, t_off, t_pos, seq, predictor, frozenset(skipped))
+        return Read("".join(text), student, t_ids, t_off, t_pos, seq, predictor, frozenset(skipped),
+                    changed[0] if changed else None)
 
-    def _teacher_tokens(self, segment: bytes, base: int, skipped: set[int]) -> list[tuple[int, Offset]]:
+    def _teacher_tokens(self, segment: bytes, base: int, skipped: set[int],
+                        changed: list[tuple[str, str]]) -> list[tuple[int, Offset]]:
         """The teacher's tokens of ``segment`` (bytes at ``base`` of the row) with byte offsets; runs of bytes that are
-        not valid UTF-8 are skipped (added to ``skipped``). Special-token strings in the text are text."""
+        not valid UTF-8 are skipped (added to ``skipped``), and so are runs its tokens do not spell back (their
+        tokens get no offsets; the run and its spelling are added to ``changed``). Special-token strings in the
+        text are text."""
         out, at = [], 0
         while at < len(segment):
             try:
@@ -152,8 +163,11 @@ class RowReader:
             if chunk:
                 enc = self.teacher(chunk, add_special_tokens=False, return_offsets_mapping=True,
                                    split_special_tokens=True)
-                offsets = self._piece_offsets(enc["input_ids"], chunk.encode("utf-8")) or self._char_offsets(
-                    chunk, enc["offset_mapping"])
+                offsets = self._piece_offsets(enc["input_ids"], chunk.encode("utf-8"))
+                if offsets is None:  # its normalisation changed the text: read as context, never aligned
+                    offsets = [None] * len(enc["input_ids"])
+                    skipped.update(range(base + at, base + at + len(chunk.encode("utf-8"))))
+                    changed.append((chunk, b"".join(self.t_pieces[i] for i in enc["input_ids"]).decode("utf-8", "replace")))
                 out += [(i, None if o is None else (base + at + o[0], base + at + o[1]))
                         for i, o in zip(enc["input_ids"], offsets)]
             at = end
@@ -173,14 +187,6 @@ class RowReader:
             out.append((a, b) if b > a else None)
             at = b
         return out
-
-    @staticmethod
-    def _char_offsets(chunk: str, offsets: list[tuple[int, int]]) -> list[Offset]:
-        """Byte offsets from the tokenizer's character offsets (a token inside one character covers all of it)."""
-        byte_at = [0]
-        for ch in chunk:
-            byte_at.append(byte_at[-1] + len(ch.encode("utf-8")))
-        return [(byte_at[a], byte_at[b]) if b > a else None for a, b in offsets]
 
 
 __all__ = ["Read", "RowReader", "is_byte_level", "vocab_bytes"]

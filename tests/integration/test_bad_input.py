@@ -25,7 +25,20 @@ def dirs(tmp_path_factory):
     (root / "not_a_model" / "weights.bin").write_text("x")
     save_hf_model(root / "student_a", word_tokenizer())
     save_hf_model(root / "teacher_b", word_tokenizer(extra_words=("zebra", "yak")), hidden=48)
+    save_hf_model(root / "lossy_teacher", lowercasing_tokenizer(), max_positions=256)
     return root
+
+
+def lowercasing_tokenizer():
+    """The second embedded teacher's tokenizer, made to lowercase what it reads (a lossy normalisation)."""
+    from tokenizers import normalizers
+    from transformers import AutoTokenizer
+
+    from kdsweep.models import zoo
+
+    tok = AutoTokenizer.from_pretrained(zoo.tokenizer_dir(zoo.TOKENIZER_OF["tiny-teacher-other"]))
+    tok.backend_tokenizer.normalizer = normalizers.Lowercase()
+    return tok
 
 
 CASES = {
@@ -39,6 +52,9 @@ CASES = {
                    "model.path={root}/student_a: its tokenizer writes tokens in a convention kdsweep cannot read back"),
     "cross_tokenizer_cache": (["teacher=tiny_other", "teacher.logits=cache", "teacher.cache.method=topk"],
                               "teacher.cache.method=topk cannot keep what a teacher with another tokenizer gives"),
+    "cross_tokenizer_lossy": (["teacher.path={root}/lossy_teacher"],
+                              "teacher.path={root}/lossy_teacher: its tokenizer does not give the data's text back as it "
+                              "is (it reads 'In the beginning God created"),
     "cross_tokenizer_fused": (["teacher=tiny_other", "loss.impl=fused"], "loss.impl=fused cannot serve a teacher with"),
     "cross_tokenizer_rollout": (["teacher=tiny_other", "rollout.seq_kd=true", "data=instruction",
                                  "data.datasets.0.path={root}/instructions.jsonl"],

@@ -174,23 +174,22 @@ def test_the_cache_of_a_teacher_with_another_tokenizer_trains_as_the_live_teache
 
 
 @pytest.fixture(scope="module")
-def mixtures(tmp_path_factory, teacher_sweep):
-    """Both teachers at once (weights 1 and 3), and the second alone as a mixture of one (weight 2), from the
-    teacher sweep's caches: each teacher's targets cached on their own, found built."""
+def mixture(tmp_path_factory, teacher_sweep):
+    """Both teachers at once (weights 1 and 3), from the teacher sweep's caches: each teacher's targets cached on
+    their own, found built."""
     _, caches = teacher_sweep
-    root = tmp_path_factory.mktemp("mixtures")
-    teachers = {"both": "[{zoo:tiny-teacher,weight:1},{zoo:tiny-teacher-other,weight:3}]",
-                "one": "[{zoo:tiny-teacher-other,weight:2}]"}
-    for name, members in teachers.items():
-        kdsweep(f"teachers={members}", "teacher.logits=cache", "teacher.cache.method=full",
-                f"teacher.cache.dir={caches}", *SHORT, f"hydra.run.dir={root / name}", cwd=root)
-    return {name: root / name for name in teachers}
+    run_dir = tmp_path_factory.mktemp("mixture") / "both"
+    kdsweep("teachers=[{zoo:tiny-teacher,weight:1},{zoo:tiny-teacher-other,weight:3}]", "teacher.logits=cache",
+            "teacher.cache.method=full", f"teacher.cache.dir={caches}", *SHORT, f"hydra.run.dir={run_dir}",
+            cwd=run_dir.parent)
+    return run_dir
 
 
-def test_several_teachers_mix_their_divergences_each_from_its_own_cache(mixtures, teacher_sweep):
+def test_several_teachers_mix_their_divergences_each_from_its_own_cache(mixture, teacher_sweep):
+    """(One teacher as a mixture of one is that teacher: tests/unit/losses/test_mixture_targets.py.)"""
     sweep_dir, caches = teacher_sweep
     alone = {read_run(sweep_dir / str(n))["config"]["teacher"]["zoo"]: read_run(sweep_dir / str(n)) for n in (0, 1)}
-    both = read_run(mixtures["both"])
+    both = read_run(mixture)
     targets = both["teacher_targets"]
     assert both["status"] == "completed" and targets["source"] == "mixture"
     assert [m["weight"] for m in targets["teachers"]] == [0.25, 0.75]
@@ -207,12 +206,31 @@ def test_several_teachers_mix_their_divergences_each_from_its_own_cache(mixtures
     assert both["objective"] != alone["tiny-teacher"]["objective"] and both["objective"] != alone["tiny-teacher-other"]["objective"]
 
 
-def test_one_teacher_as_a_mixture_of_one_is_that_teacher(mixtures, teacher_sweep):
-    sweep_dir, _ = teacher_sweep
-    one, alone = mixtures["one"], sweep_dir / "0"  # trial 0: the second teacher, from the same cache
-    assert read_run(alone)["config"]["teacher"]["zoo"] == "tiny-teacher-other"
-    assert read_run(one)["objective"] == pytest.approx(read_run(alone)["objective"], abs=1e-6)
-    for x, y in zip(read_metrics(alone), read_metrics(one), strict=True):
-        for key in ("loss", "ce", "kd", "kl", "student_ce", "teacher_ce", "grad_norm"):
-            if key in x:
-                assert y[key] == pytest.approx(x[key], abs=1e-6, rel=1e-6), (x["kind"], x["step"], key)
+def test_kill_9_then_rerun_across_tokenizers_gives_the_uninterrupted_run(cross_runs, tmp_path):
+    """The gold job of cross_runs, checkpointed every 2 steps, killed with SIGKILL after its first checkpoint and run
+    again: it resumes and ends as the uninterrupted job did, every step logged once."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from test_resume import _wait_for_step
+
+    args = [a for a in SHORT if not a.startswith("checkpoint.save_every")] + ["checkpoint.save_every=2"]
+    args += ["teacher=tiny_other", "loss.cross_tokenizer=gold"]
+    run_dir = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "kdsweep", *args, f"hydra.run.dir={run_dir}"], cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _wait_for_step(run_dir, 3, proc, time.time() + 300)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert read_run(run_dir)["status"] == "running"  # it really died mid-run
+    kdsweep(*args, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    record, reference = read_run(run_dir), read_run(cross_runs["gold"])
+    assert record["status"] == "completed" and record["attempts"] == 2 and 2 <= record["start_step"] < 6
+    assert record["objective"] == pytest.approx(reference["objective"], abs=1e-6)
+    got = [r for r in read_metrics(run_dir) if r["kind"] == "train"]
+    want = [r for r in read_metrics(cross_runs["gold"]) if r["kind"] == "train"]
+    assert [r["step"] for r in got] == list(range(1, 7))
+    assert [round(r["loss"], 6) for r in got] == [round(r["loss"], 6) for r in want]

@@ -12,7 +12,8 @@ from kdsweep.losses.cross_tokenizer import VocabMap
 from kdsweep.losses.mixture import Mixture
 from kdsweep.losses.targets import Logits
 from kdsweep.teacher.cross import aligned_targets
-from test_span_losses import B, IGNORE, PAIRS, T, VS, VT, cross_case, probs, rand, reads_of, ref_divergence, ref_gold, ref_merged
+from test_span_losses import (B, IGNORE, PAIRS, T, VS, VT, cross_case, probs, rand, reads_of, ref_cross_sum,
+                              ref_divergence)
 
 
 def both_teachers():
@@ -27,18 +28,10 @@ def reference(ids, labels, t_ids, t_logits, spans, same, s_logits, weights) -> f
     """w₀·Σ forward KL to the same-vocabulary teacher over trained positions + w₁·Σ GOLD over the aligned spans,
     the weights normalised."""
     w0, w1 = (w / sum(weights) for w in weights)
-    flat_s, flat_t, flat_same = s_logits.reshape(-1, VS), t_logits.reshape(-1, VT), same.reshape(-1, VS)
+    flat_s, flat_same = s_logits.reshape(-1, VS), same.reshape(-1, VS)
     first = sum(ref_divergence("forward_kl", probs(flat_same[n].tolist()), probs(flat_s[n].tolist()))
                 for n in range(B * T) if labels.reshape(-1)[n] != IGNORE)
-    second = 0.0
-    for b, row in enumerate(spans):
-        for span in row:
-            (a, e), (c, d) = span.student, span.teacher
-            if a == 0 or not all(labels[b, a - 1:e - 1] != IGNORE):
-                continue
-            q = ref_merged(flat_s[b * T + a - 1:b * T + e - 1].tolist(), ids[b, a + 1:e].tolist())
-            p = ref_merged(flat_t[b * 6 + c - 1:b * 6 + d - 1].tolist(), t_ids[b, c + 1:d].tolist())
-            second += ref_gold(p, q, PAIRS, "forward_kl", 0.5, len(PAIRS) / VT, 1 - len(PAIRS) / VT)
+    second = ref_cross_sum(ids, labels, t_ids, t_logits, spans, s_logits, "gold")
     return w0 * first + w1 * second
 
 

@@ -215,15 +215,12 @@ def cross_case():
     return ids, labels, t_ids, rand(B, 6, VT, seed=5), spans
 
 
-@pytest.mark.parametrize("loss", ["gold", "uld"])
-def test_span_targets_match_the_reference_and_no_chunking_changes_them(loss):
-    ids, labels, t_ids, t_logits, spans = cross_case()
-    built = aligned_targets(spans, reads_of(ids, 6), labels, t_ids, t_logits, ignore_index=IGNORE, student_vocab=VS, loss=loss,
-                            vocab_map=VocabMap.of(PAIRS, VS, VT))
-    assert built.spans == 6 and built.dropped == 1  # row 1's span over the untrained position 1
-    s_logits = rand(B, T, VS, seed=6)
+def ref_cross_sum(ids, labels, t_ids, t_logits, spans, s_logits, loss, weights=None) -> float:
+    """Σ over the spans of :func:`cross_case` that train of their GOLD (forward KL; ``weights``: (matched,
+    unmatched), GOLD's when None) or ULD term."""
+    w_m, w_u = weights or (len(PAIRS) / VT, 1 - len(PAIRS) / VT)
     flat_s, flat_t = s_logits.reshape(-1, VS), t_logits.reshape(-1, VT)
-    expected = 0.0
+    total = 0.0
     for b, row in enumerate(spans):
         for span in row:
             (a, e), (c, d) = span.student, span.teacher
@@ -231,8 +228,18 @@ def test_span_targets_match_the_reference_and_no_chunking_changes_them(loss):
                 continue
             q = ref_merged(flat_s[b * T + a - 1:b * T + e - 1].tolist(), ids[b, a + 1:e].tolist())
             p = ref_merged(flat_t[b * 6 + c - 1:b * 6 + d - 1].tolist(), t_ids[b, c + 1:d].tolist())
-            expected += ref_sorted_l1(q, p) if loss == "uld" else ref_gold(p, q, PAIRS, "forward_kl", 0.5,
-                                                                         len(PAIRS) / VT, 1 - len(PAIRS) / VT)
+            total += ref_sorted_l1(q, p) if loss == "uld" else ref_gold(p, q, PAIRS, "forward_kl", 0.5, w_m, w_u)
+    return total
+
+
+@pytest.mark.parametrize("loss", ["gold", "uld"])
+def test_span_targets_match_the_reference_and_no_chunking_changes_them(loss):
+    ids, labels, t_ids, t_logits, spans = cross_case()
+    built = aligned_targets(spans, reads_of(ids, 6), labels, t_ids, t_logits, ignore_index=IGNORE, student_vocab=VS, loss=loss,
+                            vocab_map=VocabMap.of(PAIRS, VS, VT))
+    assert built.spans == 6 and built.dropped == 1  # row 1's span over the untrained position 1
+    s_logits = rand(B, T, VS, seed=6)
+    expected = ref_cross_sum(ids, labels, t_ids, t_logits, spans, s_logits, loss)
     values, grads = [], []
     for chunks in (1, 2, 5, 50):  # boundaries move past spans; a chunk may be empty
         s = s_logits.clone().requires_grad_()
@@ -253,3 +260,18 @@ def test_log1mexp_has_a_finite_gradient_where_a_continuation_is_certain():
     y = log1mexp(x)
     y[1:].sum().backward()  # a span whose continuation has probability 1 (x = 0) sits beside others
     assert y[0].item() == -math.inf and torch.isfinite(x.grad).all() and x.grad[0] == 0
+
+
+def test_at_a_temperature_the_uld_parts_carry_t_and_the_matched_part_t_squared():
+    """ULD is an L1 distance like TVD: the loss scales it by T, the chosen divergence (forward KL) by T²."""
+    ids, labels, t_ids, t_logits, spans = cross_case()
+    s_logits, temperature = rand(B, T, VS, seed=9), 2.0
+    at_t = lambda *w: ref_cross_sum(ids, labels, t_ids, t_logits / temperature, spans, s_logits / temperature, *w)
+    w_m = len(PAIRS) / VT
+    want = {"uld": temperature * at_t("uld"),
+            "gold": temperature ** 2 * at_t("gold", (w_m, 0.0)) + temperature * at_t("gold", (0.0, 1 - w_m))}
+    for loss, expected in want.items():
+        built = aligned_targets(spans, reads_of(ids, 6), labels, t_ids, t_logits, ignore_index=IGNORE, student_vocab=VS,
+                                loss=loss, vocab_map=VocabMap.of(PAIRS, VS, VT))
+        sums = kd_loss_sums(s_logits, built.targets, labels, ignore_index=IGNORE, temperature=temperature, num_chunks=2)
+        assert sums.kd.item() == pytest.approx(expected, rel=1e-12), loss
