@@ -343,7 +343,7 @@ def teacher_cache(sizes: Sizes, device: torch.device, work: Path, budget: Budget
     """Build a ``sample`` cache with kdsweep's builder (teacher tokens/s), then a LoRA trial's step reading it vs
     the live teacher, same shapes and micro-batch."""
     from kdsweep.distributed import single_process
-    from kdsweep.teacher.build import Selection, ensure
+    from kdsweep.teacher.build import PlainTargets, Selection, ensure
     from kdsweep.teacher.cache import Spec
     from kdsweep.teacher.cached import CachedSplit, CachedTeacher
 
@@ -354,8 +354,8 @@ def teacher_cache(sizes: Sizes, device: torch.device, work: Path, budget: Budget
                 dtype="bfloat16" if sizes.dtype == torch.bfloat16 else "float32")
     splits = {"train": Selection(train, torch.arange(len(train))), "eval": Selection(held, torch.arange(1))}
     key = f"check-{time.time_ns()}"
-    path, built = ensure(work / "teacher_cache", key, spec, splits, lambda: t, single_process(), device,
-                         sizes.micro_batch, -100, info={})
+    path, built = ensure(work / "teacher_cache", key, spec, splits, lambda: PlainTargets(t, spec, -100, device),
+                         single_process(), device, sizes.micro_batch, info={})
     steps = (sizes.warmup_steps, sizes.timed_steps)
     s = student(sizes, device, lora=True)
     cached = timed_steps(s, CachedTeacher(CachedSplit(path, "train", train), device), train, sizes, "chunked", device,

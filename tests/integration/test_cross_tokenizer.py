@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import math
-
-import yaml
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import QUIET, kdsweep, read_metrics, read_run
 
@@ -24,7 +24,7 @@ SHORT = ["train.max_steps=6", "train.eval_every=3", "data.batch_size=8", "data.m
 
 @pytest.fixture(scope="module")
 def other_teacher(zoo_dirs):
-    """The second embedded teacher, built here on every core as zoo_dirs builds the others (the jobs use one)."""
+    """The second embedded teacher (its build began in the background at the session's start: tests/conftest.py)."""
     from kdsweep.models import zoo
 
     return zoo.model_dir("tiny-teacher-other")
@@ -46,10 +46,12 @@ def test_the_second_teacher_has_its_own_tokenizer_and_matches_it(other_teacher, 
 @pytest.fixture(scope="module")
 def cross_runs(tmp_path_factory, other_teacher):
     root = tmp_path_factory.mktemp("cross")
-    runs = {}
-    for loss in ("gold", "uld"):
-        runs[loss] = root / loss
-        kdsweep("teacher=tiny_other", f"loss.cross_tokenizer={loss}", *SHORT, f"hydra.run.dir={runs[loss]}", cwd=root)
+    runs = {loss: root / loss for loss in ("gold", "uld")}
+    with ThreadPoolExecutor(2) as pool:  # one thread each: side by side
+        done = [pool.submit(kdsweep, "teacher=tiny_other", f"loss.cross_tokenizer={loss}", *SHORT,
+                            f"hydra.run.dir={run_dir}", cwd=root) for loss, run_dir in runs.items()]
+        for job in done:
+            job.result()
     return runs
 
 
@@ -87,7 +89,7 @@ def test_one_tokenizer_forced_through_the_cross_tokenizer_path_gives_the_same_nu
     data = ["data=text", f"data.datasets.0.path={short_docs}", "data.sequences=pack", "data.seq_len=128",
             "data.eval_fraction=0.1"]
     plain, forced = tmp_path / "plain", tmp_path / "forced"
-    kdsweep(*data, *SHORT, f"hydra.run.dir={plain}", cwd=tmp_path)
+    kdsweep(*data, *SHORT, f"hydra.run.dir={plain}", cwd=tmp_path)  # it tokenizes the documents for both
     monkeypatch.setenv("KDSWEEP_TEST_FORCE_CROSS_TOKENIZER", "1")  # the job's processes read it
     kdsweep(*data, *SHORT, f"hydra.run.dir={forced}", cwd=tmp_path)
     a, b = read_run(plain), read_run(forced)

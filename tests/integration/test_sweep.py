@@ -43,7 +43,7 @@ def test_a_freed_slot_is_refilled_while_the_long_trial_runs(tmp_path, zoo_dirs):
         "n_trials": 4, "max_concurrent": 2, "sampler": "random", "pruner": "none",
         "params": {"train.max_steps": "choice(1,80)"},
         "enqueue": [{"train.max_steps": 80}, {"train.max_steps": 1}, {"train.max_steps": 1}, {"train.max_steps": 1}],
-    })
+    }, {"train": {"eval_every": 20}})  # the long trial's steps, not its evaluations, keep its slot
     kdsweep(*args, f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path)
     trials = {int(n): t for n, t in manifest(sweep_dir)["trials"].items()}
     assert [trials[n]["state"] for n in range(4)] == ["COMPLETE"] * 4

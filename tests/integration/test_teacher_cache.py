@@ -1,7 +1,7 @@
 """The teacher-logit cache in real jobs: ``method=full`` trains exactly as the live teacher (every divergence, 1 and 2
 ranks, packed and padded rows); a cache built by 2 ranks is the cache built by 1; editing the teacher gives a new
-cache, moving it does not; a sweep runs one teacher pass and no other trial loads the teacher (local, 2-rank and
-SLURM trials); bad input is one line before anything runs."""
+cache, moving it does not; a sweep runs one teacher pass and no other trial loads the teacher (local trials, and
+2-rank SLURM trials); bad input is one line before anything runs."""
 
 from __future__ import annotations
 
@@ -231,20 +231,15 @@ def test_a_sweep_runs_one_teacher_pass_with_local_trials(tmp_path_factory, zoo_d
     assert "teacher: " in status and "(1 cache build)" in status and "saved (estimates)" in status
 
 
-def test_a_sweep_runs_one_teacher_pass_with_two_rank_trials(tmp_path, zoo_dirs):
-    sweep_dir, proc = tiny_sweep(tmp_path, "cache_ranks", *SWEEP, "dist.nproc_per_node=2",
-                                 f"teacher.cache.dir={tmp_path / 'tc'}")
-    assert_one_teacher_pass(sweep_dir, proc.stdout + proc.stderr)
-    built = next(read_run(sweep_dir / str(n)) for n in range(3) if read_run(sweep_dir / str(n))["teacher_targets"]["built"])
-    assert built["teacher_targets"]["build"]["ranks"] == 2  # the builder's ranks shared the rows
-
-
 @pytest.mark.usefixtures("slurm_cluster")
-def test_a_sweep_runs_one_teacher_pass_with_slurm_trials(tmp_path, zoo_dirs):
+def test_a_sweep_runs_one_teacher_pass_with_two_rank_slurm_trials(tmp_path, zoo_dirs):
     sweep_dir, proc = tiny_sweep(tmp_path, "cache_slurm", *SWEEP, "hydra/launcher=submitit_slurm", "cluster=local_cpu",
                                  f"teacher.cache.dir={tmp_path / 'tc'}")
     assert_one_teacher_pass(sweep_dir, proc.stdout + proc.stderr)
-    assert all(read_run(sweep_dir / str(n))["environment"]["slurm"] for n in range(3))
+    records = [read_run(sweep_dir / str(n)) for n in range(3)]
+    assert all(r["environment"]["slurm"] and r["world_size"] == 2 for r in records)
+    built = next(r for r in records if r["teacher_targets"]["built"])
+    assert built["teacher_targets"]["build"]["ranks"] == 2  # the builder's ranks shared the rows
 
 
 @pytest.fixture(scope="module")
