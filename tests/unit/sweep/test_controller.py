@@ -1,17 +1,29 @@
 """The controller's bookkeeping on real Optuna storages: resume, orphans, judging, the status table."""
 
 import json
+import os
 
 import optuna
 import pytest
 
 from kdsweep.config import ConfigError
 from kdsweep.sweep.controller import Controller, LocalProcesses, judge, summary_lines
-from kdsweep.sweep.manifest import Manifest
+from kdsweep.sweep.manifest import STORAGE_ENV, Manifest
 from kdsweep.sweep.space import parse_space
 from kdsweep.sweep.study import SweepSettings
 
 SPACE = {"kd_ratio": "interval(0.0,1.0)", "lora_rank": "choice(4,8,16)"}
+
+
+@pytest.fixture(autouse=True)
+def own_storage_env():
+    """A controller puts its storage's URL in this process's environment, for the jobs it starts: undone after each
+    test, so that no later test's jobs (a dashboard, a sweep) read this test's storage."""
+    before = os.environ.get(STORAGE_ENV)
+    yield
+    os.environ.pop(STORAGE_ENV, None)
+    if before is not None:
+        os.environ[STORAGE_ENV] = before
 
 
 def controller(tmp_path, **settings):
