@@ -156,8 +156,9 @@ def preflight_reads(cfg: RunConfig) -> None:
     from transformers import AutoTokenizer
 
     from kdsweep.data.sources import read_rows, train_sources
-    from kdsweep.teacher.reader import RowReader
+    from kdsweep.teacher.reader import RowReader, check_unchanged
 
+    where = f"teacher.path={cfg.teacher.path}" if cfg.teacher.path else f"teacher.zoo={cfg.teacher.zoo}"
     dirs = [_source(section, src)[0] or _zoo_tokenizer_dir(src.zoo) for section, src in (("model", cfg.model),
                                                                                           ("teacher", cfg.teacher))]
     student, teacher = (AutoTokenizer.from_pretrained(d) for d in dirs)
@@ -165,13 +166,8 @@ def preflight_reads(cfg: RunConfig) -> None:
     key, ds = train_sources(cfg.data)[0]
     for row in read_rows(ds.path, split=ds.split, key=f"{key}.path", limit=READ_PEEK):
         text = row.get(ds.text_column)
-        read = reader.read(student(text, add_special_tokens=False)["input_ids"]) if isinstance(text, str) else None
-        if read is not None and read.changed is not None:
-            seen, spelled = (" ".join(t.split())[:60] for t in read.changed)
-            where = f"teacher.path={cfg.teacher.path}" if cfg.teacher.path else f"teacher.zoo={cfg.teacher.zoo}"
-            raise ConfigError(f"{where}: its tokenizer does not give the data's text back as it is (it reads {seen!r} "
-                              f"as {spelled!r}: its normalisation changes the text); use a teacher whose tokenizer "
-                              "keeps the text, or one with the student's tokenizer")
+        if isinstance(text, str):
+            check_unchanged(reader.read(student(text, add_special_tokens=False)["input_ids"]), where)
 
 
 def preflight_models(cfg: RunConfig) -> None:

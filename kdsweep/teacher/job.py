@@ -66,19 +66,17 @@ def check_reads(reader: Any, data: RunData, section: str, rows: int = 16) -> Non
     tokenizer changes the text: lossy normalisation)."""
     from kdsweep.config.schema import ConfigError
     from kdsweep.teacher.align import align_spans
+    from kdsweep.teacher.reader import KEEP_THE_TEXT, check_unchanged
 
     batch = data.train.batch(torch.arange(min(rows, len(data.train))))
-    fix = "use a teacher whose tokenizer keeps the text, or one with the student's tokenizer"
     for row in batch.input_ids.tolist():
         read = reader.read(row)
-        if read.changed is not None:
-            text, spelled = (" ".join(t.split())[:60] for t in read.changed)
-            raise ConfigError(f"{section}: its tokenizer does not give the data's text back as it is (it reads "
-                              f"{text!r} as {spelled!r}: its normalisation changes the text); {fix}")
+        check_unchanged(read, section)
         try:
             align_spans(read.text, read.student, read.teacher, read.skipped)
         except ValueError as e:
-            raise ConfigError(f"{section}: its tokenizer does not give the data's text back as it is ({e}); {fix}") from None
+            raise ConfigError(f"{section}: its tokenizer does not give the data's text back as it is ({e}); "
+                              f"{KEEP_THE_TEXT}") from None
 
 
 @dataclass

@@ -38,6 +38,18 @@ def vocab_bytes(tokenizer: Any) -> list[tuple[bytes, bool] | None]:
     return [None if i in special else piece_bytes(p, level) for i, p in enumerate(pieces)]
 
 
+KEEP_THE_TEXT = "use a teacher whose tokenizer keeps the text, or one with the student's tokenizer"
+"""The fix a refusal of a teacher whose reading changes the text names."""
+
+
+def check_unchanged(read: "Read", where: str) -> None:
+    """One line when the teacher's tokens of ``read`` spell its text otherwise (``where``: the teacher's key)."""
+    if read.changed is not None:
+        seen, spelled = (" ".join(t.split())[:60] for t in read.changed)
+        raise ConfigError(f"{where}: its tokenizer does not give the data's text back as it is (it reads {seen!r} as "
+                          f"{spelled!r}: its normalisation changes the text); {KEEP_THE_TEXT}")
+
+
 MARKERS = ("\ue000", "\ue001")
 """The characters a BOS and an EOS stand for in a row's text (outside the bytes' latin-1 range: never content)."""
 
@@ -189,4 +201,4 @@ class RowReader:
         return out
 
 
-__all__ = ["Read", "RowReader", "is_byte_level", "vocab_bytes"]
+__all__ = ["KEEP_THE_TEXT", "Read", "RowReader", "check_unchanged", "is_byte_level", "vocab_bytes"]
