@@ -44,8 +44,8 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-# Our own munged; cred_expire=10 lets a requeued job restart after ~11-15 s instead of ~150 s.
-AuthInfo=socket=$SOCKET,cred_expire=10
+# Our own munged; cred_expire=5 (its least) lets a requeued job restart after ~6-10 s instead of ~150 s.
+AuthInfo=socket=$SOCKET,cred_expire=5
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
@@ -82,6 +82,11 @@ EOF
 
 # 3. Daemons, in dependency order, each only if not alive. They daemonize themselves.
 export SLURM_CONF="$CONF"
+if (( conf_changed )) && alive "$ROOT/run/slurmctld.pid" slurmctld; then
+    # scontrol reconfigure does not apply every setting (AuthInfo's cred_expire among them): start again
+    log "slurm.conf changed: restarting the running cluster"
+    bash "$HERE/down.sh"
+fi
 if ! alive "$ROOT/run/munged.pid" munged; then
     log "starting munged"
     # --force: as root munged refuses our /tmp directories as "insecure" otherwise.
@@ -91,9 +96,6 @@ fi
 if ! alive "$ROOT/run/slurmctld.pid" slurmctld; then
     log "starting slurmctld"
     slurmctld -f "$CONF"
-elif (( conf_changed )); then
-    log "slurm.conf changed: reconfiguring the running cluster"
-    scontrol reconfigure >&2
 fi
 slurmd_since=0   # when we start slurmd, wait for it to register: the saved node state may already say idle
 if ! alive "$ROOT/run/slurmd.pid" slurmd; then

@@ -30,6 +30,7 @@ pytestmark = pytest.mark.slow
 CRASH_AT = "KDSWEEP_TEST_CRASH_AT"
 POINTS = ("before_launch", "after_launch", "after_write")
 SLURM = ["hydra/launcher=submitit_slurm", "cluster=local_cpu"]
+UNFINISHED = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED"}
 
 
 def study_trials(sweep_dir: Path) -> int:
@@ -215,10 +216,18 @@ def test_a_run_directory_a_node_does_not_share_is_one_line(tmp_path, zoo_dirs):
 @pytest.mark.usefixtures("slurm_cluster")
 def test_sbatch_of_two_tasks_without_srun_is_one_line_and_srun_works(tmp_path, zoo_dirs):
     def sbatch(command: str) -> tuple[int, str]:
+        """The job's exit code and output. Its end is polled every 0.5 s: ``sbatch --wait`` sleeps 2, 8, then 32 s
+        between its own polls, which kept a 10-s job waited on for 40 s."""
         out = tmp_path / f"job{len(list(tmp_path.glob('job*.out')))}.out"
-        proc = subprocess.run(["sbatch", "-n2", "--wait", "-o", str(out), "--wrap", command], cwd=tmp_path,
-                              capture_output=True, text=True, timeout=600)
-        return proc.returncode, out.read_text()
+        job = subprocess.run(["sbatch", "-n2", "--parsable", "-o", str(out), "--wrap", command], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+        deadline = time.time() + 600
+        while True:
+            show = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
+            if show.split("JobState=")[1].split()[0] not in UNFINISHED:
+                return int(show.split(" ExitCode=")[1].split(":")[0]), out.read_text()
+            assert time.time() < deadline, show
+            time.sleep(0.5)
 
     args = f"train=smoke train.max_steps=1 checkpoint.export_merged=false logger=quiet hydra.run.dir={tmp_path}/run"
     started = time.time()

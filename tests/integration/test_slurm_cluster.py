@@ -178,7 +178,7 @@ def test_submitit_checkpoint_requeue_resumes(tmp_path):
         time.sleep(0.2)
     job._interrupt()  # as a preemption: SIGTERM (ignored by submitit), then USR2 -> checkpoint() + requeue
 
-    wait_done(job, timeout=90)  # the requeued run starts ~11-15 s later (cred_expire=10)
+    wait_done(job, timeout=90)  # the requeued run starts ~6-10 s later (cred_expire=5)
     result = job.result()
     assert result["restarts"] == 1 and result["resumed_at"] > 0 and result["step"] == result["resumed_at"] + 5
     assert (tmp_path / "run1.txt").read_text().startswith("SLURM_RESTART_COUNT=1\n")
