@@ -118,6 +118,7 @@ def cross_tokenizer(cfg: RunConfig) -> bool:
 
 def check_cross_tokenizer(cfg: RunConfig) -> None:
     """What a teacher with another tokenizer cannot do yet, each in one line."""
+    from kdsweep.data.sources import eval_sources, train_sources
     from kdsweep.teacher.align import byte_level
 
     fix = "or pick a teacher with the student's tokenizer"
@@ -131,10 +132,11 @@ def check_cross_tokenizer(cfg: RunConfig) -> None:
     if cfg.rollout.lmbda > 0 or cfg.rollout.seq_kd:
         raise ConfigError("rollout.lmbda and rollout.seq_kd: generation with a teacher of another tokenizer is not "
                           f"supported yet; use lmbda=0 rollout.seq_kd=false, {fix}")
-    for i, ds in enumerate(cfg.data.datasets):
-        if ds.format != "text":
-            raise ConfigError(f"data.datasets[{i}].format={ds.format}: a teacher with another tokenizer reads plain "
-                              f"text only for now (it would read the student's template as text); use data=text, {fix}")
+    for key, ds in (*train_sources(cfg.data), *eval_sources(cfg.data)):
+        if ds.format == "chat":  # an instruction's template is kdsweep's own, the same text for both models
+            raise ConfigError(f"{key}.format=chat: a teacher with another tokenizer would read the student's chat "
+                              "template as text (each model's own template is not supported yet); use data=text or "
+                              f"data=instruction, {fix}")
     for section, src in (("model", cfg.model), ("teacher", cfg.teacher)):
         d = _source(section, src)[0] if src.path is not None else None  # the zoo's tokenizers are both readable
         spec = Path(d) / "tokenizer.json" if d else None
@@ -155,6 +157,7 @@ def preflight_reads(cfg: RunConfig) -> None:
     whose normalisation changes it (lowercasing, characters it has no token for)."""
     from transformers import AutoTokenizer
 
+    from kdsweep.data.formats import FormatSpec, check_row, render
     from kdsweep.data.sources import read_rows, train_sources
     from kdsweep.teacher.reader import RowReader, check_unchanged
 
@@ -164,10 +167,14 @@ def preflight_reads(cfg: RunConfig) -> None:
     student, teacher = (AutoTokenizer.from_pretrained(d) for d in dirs)
     reader = RowReader(student, teacher)
     key, ds = train_sources(cfg.data)[0]
+    spec = FormatSpec.of(ds, key, add_bos=cfg.data.add_bos, ignore_index=cfg.loss.ignore_index)
     for row in read_rows(ds.path, split=ds.split, key=f"{key}.path", limit=READ_PEEK):
-        text = row.get(ds.text_column)
-        if isinstance(text, str):
-            check_unchanged(reader.read(student(text, add_special_tokens=False)["input_ids"]), where)
+        try:
+            check_row(row, spec)
+        except ConfigError:  # a bad row is the data's own line, from the job that reads it
+            continue
+        sample = render(row, spec, student)  # as the job renders it: prompt and response, BOS and EOS
+        check_unchanged(reader.read([*sample.input_ids, sample.labels[-1]]), where)
 
 
 def preflight_models(cfg: RunConfig) -> None:

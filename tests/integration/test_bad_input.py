@@ -61,7 +61,7 @@ CASES = {
                                 "generation with a teacher of another tokenizer"),
     "cross_tokenizer_chat": (["teacher=tiny_other", "data=chat", "data.datasets.0.path={root}/chat.jsonl",
                               "data.chat_template={root}/chat.jinja"],
-                             "data.datasets[0].format=chat: a teacher with another tokenizer reads plain text only"),
+                             "data.datasets[0].format=chat: a teacher with another tokenizer would read the student's chat template as text"),
     "teachers_weights": (["teachers=[{{zoo:tiny-teacher,weight:0}},{{zoo:tiny-teacher-other,weight:0}}]"],
                          "teachers: the weights [0.0, 0.0] sum to 0"),
     "cross_tokenizer_weights": (["teacher=tiny_other", "loss.gold_matched_weight=0.5"],

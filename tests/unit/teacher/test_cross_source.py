@@ -183,3 +183,31 @@ def test_what_the_cache_keeps_of_a_batch_gives_the_live_loss_and_gradients(packe
     with pytest.raises(ValueError, match="continuation at T="):  # a temperature it did not keep: never silently
         kd_loss_sums(torch.randn(*batch.input_ids.shape, len(s)), kept, batch.labels, ignore_index=IGNORE,
                      temperature=3.0)
+
+
+def test_an_instruction_sample_is_read_in_the_teachers_tokens_and_only_its_response_takes_kd_terms():
+    """kdsweep's instruction template is the same text for both models: the teacher reads the prompt as context in
+    its own tokens (its own BOS for the student's), and only the response and its EOS, the trained tokens, are aligned
+    and take KD terms (every one of them: the prompt's text ends where the response begins in both tokenizations); the
+    prompt's positions get no gradient from the KD term."""
+    from kdsweep.data.formats import FormatSpec, render
+
+    s, t = tokenizer("byte_level"), tokenizer("metaspace")
+    row = {"instruction": "Say what the earth was.", "input": "In the beginning",
+           "output": "The earth was without form, and void."}
+    sample = render(row, FormatSpec(kind="instruction", add_bos=True, ignore_index=IGNORE), s)
+    batch = Batch(torch.tensor([sample.input_ids]), torch.tensor([sample.labels]))
+    read = RowReader(s, t).read(sample.input_ids, sample.labels)
+    assert read.teacher_ids[0] == t.bos_token_id and read.teacher_ids[-1] == t.eos_token_id
+    spelled = t.decode([i for i in read.teacher_ids if i not in (t.bos_token_id, t.eos_token_id)])
+    assert "### Instruction:" in spelled and spelled.replace(" ", "").endswith(row["output"].replace(" ", ""))
+    cross = source("byte_level", "metaspace", tiny_model(len(t), seed=4))
+    logits = torch.randn(1, len(sample), len(s), generator=torch.Generator().manual_seed(5), requires_grad=True)
+    with cross.targets(batch) as aligned:
+        sums = kd_loss_sums(logits, aligned, batch.labels, ignore_index=IGNORE, num_chunks=2)
+    sums.kd.backward()
+    trained = {k for k, label in enumerate(sample.labels) if label != IGNORE}
+    covered = {p for a, b in aligned.extent for p in range(a, b + 1)}
+    assert covered == trained and cross.kd_spans_dropped == 0 and 0 < cross.kd_spans <= len(trained)
+    prompt = [k for k in range(len(sample)) if k not in covered]
+    assert (logits.grad[0, prompt].abs().sum(-1) == 0).all() and logits.grad[0, sorted(covered)].abs().sum() > 0
