@@ -57,7 +57,7 @@ def validate(raw: dict[str, Any]) -> RunConfig:
 
     cfg = to_run_config(raw)
     for _, view in cfg.teacher_views():  # each teacher with the student
-        preflight_models(view)
+        preflight_models(view, several=bool(cfg.teachers))
     preflight_targets(cfg)
     preflight_data(cfg)
     return cfg

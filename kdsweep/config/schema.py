@@ -125,6 +125,10 @@ class TeacherConfig(ModelSource):
     """live: the teacher runs on every micro-batch of every trial; cache: one teacher pass writes its targets once
     (``teacher.cache``) and every job reads them, never loading the teacher."""
     cache: TeacherCacheConfig = field(default_factory=TeacherCacheConfig)
+    chat_template: str | None = None
+    """The teacher's chat template (a Jinja template, or a ``.jinja`` file) instead of its tokenizer's own; read only
+    for chat data with a teacher of another tokenizer, which reads each conversation in its own template
+    (kdsweep.teacher.views). ``data.chat_template`` is the student's."""
 
     def __post_init__(self) -> None:
         self._validate("teacher")

@@ -21,6 +21,9 @@ turn is located in ``full`` itself, never in the rendering of a shorter conversa
    (``render(messages[:i + 1])`` after the marker: the end-of-turn token and its newline), as far as ``full``
    continues with the same characters.
 
+4. **Content.** Where the turn's content itself lies (a second model with its own template reads the same contents:
+   kdsweep.teacher.views): the marker's position less the content's length, the surrounding whitespace stripped.
+
 For a template that only appends, these are exactly the spans between ``render(messages[:i], True)`` and
 ``render(messages[:i + 1])``, so its samples are unchanged. A rollout's prompt (the text before the last trained
 span) is the generation prompt of the last assistant turn as the template renders it.
@@ -29,7 +32,7 @@ span) is the generation prompt of the last assistant turn as the template render
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 from kdsweep.config.schema import ConfigError
 
@@ -40,8 +43,18 @@ def _mark(i: int) -> str:
     return f"\ue000{i}\ue001"
 
 
-def assistant_spans(messages: Sequence[Mapping[str, Any]], render: Callable[..., str], where: str) -> tuple[str, list[tuple[int, int]]]:
-    """``full`` and the ``[start, end)`` character span of every assistant turn in it.
+class Rendering(NamedTuple):
+    full: str
+    """The template's text of the whole conversation."""
+    spans: list[tuple[int, int]]
+    """The ``[start, end)`` characters of ``full`` each assistant turn trains on."""
+    contents: list[tuple[int, int]]
+    """Per assistant turn, where its content (less surrounding whitespace) lies in ``full``; an empty span at the
+    content's end where the template writes it otherwise."""
+
+
+def assistant_spans(messages: Sequence[Mapping[str, Any]], render: Callable[..., str], where: str) -> Rendering:
+    """``full``, the ``[start, end)`` character span of every assistant turn in it, and where each turn's content is.
 
     ``render(messages, prompt)`` is the template's text of a conversation (``prompt``: with the generation prompt).
     """
@@ -52,7 +65,7 @@ def assistant_spans(messages: Sequence[Mapping[str, Any]], render: Callable[...,
     if _MARK.sub("", marked) != full:
         raise ConfigError(f"{where}: the chat template changes the message contents it is given, so assistant turns "
                           "cannot be located in its rendering; fix the row or set data.chat_template")
-    spans = []
+    spans, contents = [], []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
@@ -74,7 +87,10 @@ def assistant_spans(messages: Sequence[Mapping[str, Any]], render: Callable[...,
         after = content_end + len(mark)
         end = after + _common_prefix(closing, marked[after:])
         spans.append((_unmarked(marked, start), _unmarked(marked, end)))
-    return full, spans
+        core, content_end = m["content"].strip(), _unmarked(marked, content_end)
+        begins = content_end - len(core) if full[:content_end].endswith(core) else content_end
+        contents.append((begins, content_end))
+    return Rendering(full, spans, contents)
 
 
 def _marked(content: str, i: int) -> str:

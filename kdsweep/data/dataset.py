@@ -20,7 +20,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from kdsweep.config.schema import ConfigError, DataConfig, DatasetConfig
 from kdsweep.data.cache import built_once
@@ -32,6 +32,16 @@ from kdsweep.data.key import cache_root, data_key
 from kdsweep.data.sources import eval_sources, read_rows, train_sources
 
 log = logging.getLogger(__name__)
+
+
+class ChatView(Protocol):
+    """A second model's reading of each chat sample (:attr:`~kdsweep.data.formats.FormatSpec.chat_view`)."""
+
+    identity: str
+    """What its readings depend on (the second tokenizer, its template): part of the rows' cache key."""
+
+    def __call__(self, messages: list[dict[str, Any]], rendering: Any, ids: list[int], where: str) -> Any: ...
+
 
 TARGETS = {"text": "every token", "instruction": "the output column", "chat": "messages whose role is 'assistant'"}
 """What each format trains on (without ``train_on_prompt``)."""
@@ -50,13 +60,16 @@ class RunData:
     seconds: float
 
 
-def load_data(cfg: DataConfig, tokenizer: Any, tokenizer_dir: Path, ignore_index: int = -100) -> RunData:
-    """The run's rows, from the cache or built into it (safe when many jobs ask at once)."""
+def load_data(cfg: DataConfig, tokenizer: Any, tokenizer_dir: Path, ignore_index: int = -100,
+              chat_view: ChatView | None = None) -> RunData:
+    """The run's rows, from the cache or built into it (safe when many jobs ask at once); ``chat_view``: a second
+    model's reading of each chat sample, kept with the rows (its ``identity`` is part of the cache key)."""
     t0 = time.perf_counter()
     root = cache_root(cfg)
-    with built_once(root, data_key(cfg, tokenizer_dir, ignore_index)) as (final, tmp):
+    view = None if chat_view is None else chat_view.identity
+    with built_once(root, data_key(cfg, tokenizer_dir, ignore_index, view)) as (final, tmp):
         if tmp is not None:
-            train, held, stats = build(cfg, tokenizer, ignore_index)
+            train, held, stats = build(cfg, tokenizer, ignore_index, chat_view)
             train.save(tmp / "train.pt")
             held.save(tmp / "eval.pt")
             (tmp / "stats.json").write_text(json.dumps(stats, indent=1))
@@ -81,13 +94,14 @@ def describe(s: dict[str, Any], cfg: DataConfig) -> str:
             f"{padding}")
 
 
-def build(cfg: DataConfig, tokenizer: Any, ignore_index: int) -> tuple[Rows, Rows, dict[str, Any]]:
+def build(cfg: DataConfig, tokenizer: Any, ignore_index: int,
+          chat_view: ChatView | None = None) -> tuple[Rows, Rows, dict[str, Any]]:
     """Train rows, eval rows and their stats (no cache)."""
     template = chat_template(cfg.chat_template)
 
     def samples_of(key: str, ds: DatasetConfig, rows: list[dict[str, Any]], picks: list[int]) -> list[Sample]:
         spec = FormatSpec.of(ds, key, chat_template=template, train_on_prompt=cfg.train_on_prompt,
-                             add_bos=cfg.add_bos, ignore_index=ignore_index)
+                             add_bos=cfg.add_bos, ignore_index=ignore_index, chat_view=chat_view)
         return [render(rows[i], spec, tokenizer, where=f"{key}: {ds.path} row {i + 1}") for i in picks]
 
     def info(key: str, ds: DatasetConfig, rows_read: int, **more: Any) -> dict[str, Any]:
@@ -178,12 +192,13 @@ def make_rows(samples: list[Sample], cfg: DataConfig, pad_id: int, ignore_index:
     if cfg.sequences == "pack":
         p = pack(samples, cfg.seq_len, pad_id=pad_id, policy=cfg.truncation, strategy=cfg.pack_strategy,
                  ignore_index=ignore_index)
-        rows = make(p.input_ids, p.labels, p.position_ids, p.used)
+        rows = make(p.input_ids, p.labels, p.position_ids, p.used, views=p.views)
         st = p.stats
         return rows, {"samples": st.samples, "rows": st.sequences, "tokens": st.tokens, "targets": st.targets,
                       "truncated": st.truncated, "dropped": st.dropped, "padding_fraction": st.padding_fraction}
     kept, c = apply_length_policy(samples, cfg.seq_len, cfg.truncation, ignore_index)
-    rows = make([s.input_ids for s in kept], [s.labels for s in kept], None, [len(s) for s in kept])
+    views = [[s.view] for s in kept] if any(s.view is not None for s in kept) else None
+    rows = make([s.input_ids for s in kept], [s.labels for s in kept], None, [len(s) for s in kept], views=views)
     # padding depends on how rows meet in micro-batches: the training loop measures it
     return rows, {"samples": c.samples, "rows": len(kept), "tokens": c.tokens, "targets": c.targets,
                   "truncated": c.truncated, "dropped": c.dropped, "padding_fraction": None}

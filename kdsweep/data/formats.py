@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from kdsweep.config.schema import FORMATS, ConfigError, DatasetConfig
 from kdsweep.data.chat import assistant_spans
@@ -65,6 +65,11 @@ class FormatSpec:
     """Label of a token that is not trained on."""
     source: str = "data.datasets[i]"
     """The source's config key, for the fix an error names (``data.datasets[0].output_column``)."""
+    chat_view: Callable[..., Any] | None = None
+    """How a second model with its own tokenizer and chat template reads each chat sample (a teacher of another
+    tokenizer: :class:`kdsweep.teacher.views.TeacherViews`), called with the messages, the student's
+    :class:`~kdsweep.data.chat.Rendering`, its token ids and the row's name; what it returns is kept with the sample
+    (:attr:`Sample.view`)."""
 
     def __post_init__(self) -> None:
         if self.kind not in FORMATS:
@@ -85,21 +90,24 @@ class Sample:
 
     input_ids: list[int]
     labels: list[int]
+    view: Any = None
+    """A second model's reading of the sample (:attr:`FormatSpec.chat_view`), over its whole token list."""
 
     def __len__(self) -> int:
         return len(self.input_ids)
 
 
-def shift(tokens: Sequence[int], trained: Sequence[bool], ignore_index: int = -100) -> Sample:
+def shift(tokens: Sequence[int], trained: Sequence[bool], ignore_index: int = -100, view: Any = None) -> Sample:
     """The sample of full token list ``tokens`` where ``trained[i]`` says whether ``tokens[i]`` is a target."""
     labels = [t if keep else ignore_index for t, keep in zip(tokens[1:], trained[1:])]
-    return Sample(list(tokens[:-1]), labels)
+    return Sample(list(tokens[:-1]), labels, view)
 
 
 def render(row: Mapping[str, Any], spec: FormatSpec, tokenizer: Any, where: str = "row") -> Sample:
     """The sample of one row; ``where`` names the row in errors (e.g. ``"train.jsonl row 3"``)."""
+    view = None
     if spec.kind == "chat":
-        tokens, trained = _chat(row, spec, tokenizer, where)
+        tokens, trained, view = _chat(row, spec, tokenizer, where)
     else:
         if spec.kind == "text":
             pieces = [(_column(row, spec.text_column, f"{spec.source}.text_column", where), True)]
@@ -116,7 +124,7 @@ def render(row: Mapping[str, Any], spec: FormatSpec, tokenizer: Any, where: str 
         trained.append(True)
     if spec.train_on_prompt:
         trained = [True] * len(tokens)
-    return shift(tokens, trained, spec.ignore_index)
+    return shift(tokens, trained, spec.ignore_index, view)
 
 
 def check_row(row: Mapping[str, Any], spec: FormatSpec, where: str = "row") -> None:
@@ -180,7 +188,7 @@ def _messages(row: Mapping[str, Any], spec: FormatSpec, where: str) -> list[dict
     return [dict(m) for m in messages]
 
 
-def _chat(row: Mapping[str, Any], spec: FormatSpec, tokenizer: Any, where: str) -> tuple[list[int], list[bool]]:
+def _chat(row: Mapping[str, Any], spec: FormatSpec, tokenizer: Any, where: str) -> tuple[list[int], list[bool], Any]:
     template = spec.chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
@@ -202,9 +210,11 @@ def _chat(row: Mapping[str, Any], spec: FormatSpec, tokenizer: Any, where: str) 
             raise ConfigError(f"{where}: the chat template fails on this row ({type(e).__name__}: {message}); "
                               "fix the row or set data.chat_template") from None
 
-    full, spans = assistant_spans(messages, text, where)
-    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    rendering = assistant_spans(messages, text, where)
+    enc = tokenizer(rendering.full, add_special_tokens=False, return_offsets_mapping=True)
     # a token that overlaps a turn is trained on: byte-level BPE merges the space that ends a generation prompt
     # ("assistant: ") into the reply's first word, which must still be learnt (as {% generation %} masks do)
-    trained = [any(s < b and e > a for a, b in spans) for s, e in enc["offset_mapping"]]
-    return list(enc["input_ids"]), trained
+    trained = [any(s < b and e > a for a, b in rendering.spans) for s, e in enc["offset_mapping"]]
+    ids = list(enc["input_ids"])
+    view = None if spec.chat_view is None else spec.chat_view(messages, rendering, ids, where)
+    return ids, trained, view

@@ -26,14 +26,16 @@ TOKENIZER_FILES = ("tokenizer", "special_tokens", "added_tokens", "chat_template
 BATCHING = ("batch_size", "micro_batch_size", "eval_batch_size", "max_eval_sequences", "cache_dir")
 
 
-def cache_key(cfg: DataConfig, tokenizer_dir: Path, ignore_index: int, memo_dir: Path) -> str:
-    """Hash of everything that determines the rows (see the module docstring)."""
+def cache_key(cfg: DataConfig, tokenizer_dir: Path, ignore_index: int, memo_dir: Path, view: str | None = None) -> str:
+    """Hash of everything that determines the rows (see the module docstring); ``view``: the identity of a second
+    model's reading kept with them (kdsweep.data.views), if any."""
     settings = {k: v for k, v in asdict(cfg).items() if k not in BATCHING}
     for section in ("datasets", "eval_datasets"):  # a source counts by its content and kind, wherever it lies
         settings[section] = [{**ds, "path": "hub" if hub_id(ds["path"]) else Path(ds["path"]).suffix.lower() or "folder"}
                              for ds in settings[section]]
     files = [content_hash(ds.path, memo_dir) for _, ds in train_sources(cfg) + eval_sources(cfg)]
     parts = [DATA_VERSION, settings, files, tokenizer_digest(tokenizer_dir), chat_template(cfg.chat_template), ignore_index]
+    parts += [view] if view is not None else []  # rows without views keep their key
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -50,6 +52,6 @@ def cache_root(cfg: DataConfig) -> Path:
     return Path(cfg.cache_dir) if cfg.cache_dir else kdsweep_cache() / "data"
 
 
-def data_key(cfg: DataConfig, tokenizer_dir: Path, ignore_index: int) -> str:
+def data_key(cfg: DataConfig, tokenizer_dir: Path, ignore_index: int, view: str | None = None) -> str:
     """The key of the run's rows in the cache (file hashes memoized beside it)."""
-    return cache_key(cfg, tokenizer_dir, ignore_index, cache_root(cfg) / "hashes")
+    return cache_key(cfg, tokenizer_dir, ignore_index, cache_root(cfg) / "hashes", view)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -75,7 +75,7 @@ def apply_length_policy(
             if policy == "drop":
                 dropped += 1
                 continue
-            s, truncated = Sample(s.input_ids[:max_len], s.labels[:max_len]), truncated + 1
+            s, truncated = Sample(s.input_ids[:max_len], s.labels[:max_len], s.view), truncated + 1
         if all(label == ignore_index for label in s.labels):
             dropped += 1
             continue
@@ -127,6 +127,8 @@ class Packed:
     used: torch.Tensor
     """``[N]`` tokens of each row that belong to a sample (the rest is padding)."""
     stats: PackStats
+    views: list[list[Any]] | None = None
+    """Per row, its samples' :attr:`~kdsweep.data.formats.Sample.view` in order (None: the samples have none)."""
 
 
 def pack(
@@ -160,7 +162,8 @@ def pack(
         used[row] = at
     padding = 1.0 - counts.tokens / max(1, len(bins) * seq_len) if bins else 0.0
     stats = PackStats(**vars(counts), sequences=len(bins), padding_fraction=padding)
-    return Packed(input_ids, labels, position_ids, used, stats)
+    views = [[kept[i].view for i in members] for members in bins] if any(s.view is not None for s in kept) else None
+    return Packed(input_ids, labels, position_ids, used, stats, views)
 
 
 def windows(stream: Sequence[int], seq_len: int) -> torch.Tensor:

@@ -3,7 +3,8 @@
 A split is four int tensors: ``input_ids`` and ``labels`` of all rows end to end, ``offsets`` (row ``i`` is
 ``offsets[i]:offsets[i+1]``) and ``tokens`` (each row's non-padding tokens), plus ``position_ids`` for packed
 rows. Streamed and packed rows all have ``seq_len`` tokens; padded rows (one sample each) have their own length
-and are padded when a micro-batch is formed.
+and are padded when a micro-batch is formed. Rows whose samples carry a second model's reading
+(kdsweep.data.views) keep it in ``<split>.views.pt`` beside them.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, Sequence
 import torch
 
 from kdsweep.data.batch import Batch
+from kdsweep.data.views import View, ViewTable
 
 FIELDS = ("input_ids", "labels", "offsets", "tokens", "position_ids")
 
@@ -28,12 +30,15 @@ class Rows:
     position_ids: torch.Tensor | None
     pad_id: int
     ignore_index: int
+    views: ViewTable | None = None
+    """Per row, a second model's reading of its samples (kdsweep.data.views; None: no sample has one)."""
 
     @classmethod
     def from_rows(cls, input_ids: Sequence[Sequence[int]] | torch.Tensor, labels: Sequence[Sequence[int]] | torch.Tensor,
                   position_ids: Sequence[Sequence[int]] | torch.Tensor | None, tokens: Sequence[int] | torch.Tensor,
-                  *, pad_id: int, ignore_index: int) -> "Rows":
-        """From lists of rows of any lengths, or ``[N, T]`` tensors of equal-length rows."""
+                  *, pad_id: int, ignore_index: int, views: Sequence[Sequence[View]] | None = None) -> "Rows":
+        """From lists of rows of any lengths, or ``[N, T]`` tensors of equal-length rows; ``views``: each row's
+        samples' views."""
         def flat(rows: Any) -> torch.Tensor:
             if isinstance(rows, torch.Tensor):
                 return rows.reshape(-1).to(torch.int32)
@@ -42,7 +47,8 @@ class Rows:
         lengths = [input_ids.shape[1]] * len(input_ids) if isinstance(input_ids, torch.Tensor) else list(map(len, input_ids))
         offsets = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
         return cls(flat(input_ids), flat(labels), offsets, torch.as_tensor(tokens, dtype=torch.int64),
-                   None if position_ids is None else flat(position_ids), pad_id, ignore_index)
+                   None if position_ids is None else flat(position_ids), pad_id, ignore_index,
+                   None if views is None else ViewTable.of(views))
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -54,12 +60,16 @@ class Rows:
     def save(self, path: Path) -> None:
         tensors = {k: getattr(self, k) for k in FIELDS if getattr(self, k) is not None}
         torch.save({**tensors, "pad_id": self.pad_id, "ignore_index": self.ignore_index}, path)
+        if self.views is not None:
+            self.views.save(path.with_suffix(".views.pt"))
 
     @classmethod
     def load(cls, path: Path) -> "Rows":
         """Memory-mapped: pages are read when rows are used, and shared by every process that maps the file."""
         d = torch.load(path, mmap=True, weights_only=True)
-        return cls(*(d.get(k) for k in FIELDS), pad_id=d["pad_id"], ignore_index=d["ignore_index"])
+        views = path.with_suffix(".views.pt")
+        return cls(*(d.get(k) for k in FIELDS), pad_id=d["pad_id"], ignore_index=d["ignore_index"],
+                   views=ViewTable.load(views) if views.is_file() else None)
 
     def head(self, n: int) -> "Rows":
         """The first ``n`` rows (all when ``n`` is 0 or larger than the split)."""
@@ -68,7 +78,8 @@ class Rows:
         end = int(self.offsets[n])
         cut = lambda t: None if t is None else t[:end]
         return Rows(cut(self.input_ids), cut(self.labels), self.offsets[: n + 1], self.tokens[:n],
-                    cut(self.position_ids), self.pad_id, self.ignore_index)
+                    cut(self.position_ids), self.pad_id, self.ignore_index,
+                    None if self.views is None else self.views.head(n))
 
     def batch(self, indices: Sequence[int] | torch.Tensor, *, mask_labels: bool = False) -> Batch:
         """Rows ``indices`` as one micro-batch, right-padded to the longest with an attention mask when their

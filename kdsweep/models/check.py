@@ -116,8 +116,9 @@ def cross_tokenizer(cfg: RunConfig) -> bool:
     return s_tok != t_tok and tokenizer_fingerprint("model", s_tok)[0] != tokenizer_fingerprint("teacher", t_tok)[0]
 
 
-def check_cross_tokenizer(cfg: RunConfig) -> None:
-    """What a teacher with another tokenizer cannot do yet, each in one line."""
+def check_cross_tokenizer(cfg: RunConfig, several: bool = False) -> None:
+    """What a teacher with another tokenizer cannot do yet, each in one line (``several``: it is one of several
+    teachers)."""
     from kdsweep.data.sources import eval_sources, train_sources
     from kdsweep.teacher.align import byte_level
 
@@ -132,11 +133,17 @@ def check_cross_tokenizer(cfg: RunConfig) -> None:
     if cfg.rollout.lmbda > 0 or cfg.rollout.seq_kd:
         raise ConfigError("rollout.lmbda and rollout.seq_kd: generation with a teacher of another tokenizer is not "
                           f"supported yet; use lmbda=0 rollout.seq_kd=false, {fix}")
-    for key, ds in (*train_sources(cfg.data), *eval_sources(cfg.data)):
-        if ds.format == "chat":  # an instruction's template is kdsweep's own, the same text for both models
-            raise ConfigError(f"{key}.format=chat: a teacher with another tokenizer would read the student's chat "
-                              "template as text (each model's own template is not supported yet); use data=text or "
-                              f"data=instruction, {fix}")
+    sources = [*train_sources(cfg.data), *eval_sources(cfg.data)]
+    chats = [key for key, ds in sources if ds.format == "chat"]  # one teacher reads each in its own template
+    if chats and several:
+        raise ConfigError(f"{chats[0]}.format=chat: among several teachers, one with another tokenizer than the "
+                          "student's cannot read chat rows in its own template yet; use one teacher, or teachers "
+                          "with the student's tokenizer")
+    if chats and len(chats) < len(sources):
+        other = next(key for key, ds in sources if ds.format != "chat")
+        raise ConfigError(f"{other} is not chat but {chats[0]} is: a teacher with another tokenizer reads chat rows in "
+                          "its own template and other rows from the student's tokens, not both in one run yet; use "
+                          f"sources of one kind, {fix}")
     for section, src in (("model", cfg.model), ("teacher", cfg.teacher)):
         d = _source(section, src)[0] if src.path is not None else None  # the zoo's tokenizers are both readable
         spec = Path(d) / "tokenizer.json" if d else None
@@ -157,9 +164,10 @@ def preflight_reads(cfg: RunConfig) -> None:
     whose normalisation changes it (lowercasing, characters it has no token for)."""
     from transformers import AutoTokenizer
 
-    from kdsweep.data.formats import FormatSpec, check_row, render
+    from kdsweep.data.formats import FormatSpec, chat_template, check_row, render
     from kdsweep.data.sources import read_rows, train_sources
     from kdsweep.teacher.reader import RowReader, check_unchanged
+    from kdsweep.teacher.views import chat_view
 
     where = f"teacher.path={cfg.teacher.path}" if cfg.teacher.path else f"teacher.zoo={cfg.teacher.zoo}"
     dirs = [_source(section, src)[0] or _zoo_tokenizer_dir(src.zoo) for section, src in (("model", cfg.model),
@@ -167,18 +175,22 @@ def preflight_reads(cfg: RunConfig) -> None:
     student, teacher = (AutoTokenizer.from_pretrained(d) for d in dirs)
     reader = RowReader(student, teacher)
     key, ds = train_sources(cfg.data)[0]
-    spec = FormatSpec.of(ds, key, add_bos=cfg.data.add_bos, ignore_index=cfg.loss.ignore_index)
-    for row in read_rows(ds.path, split=ds.split, key=f"{key}.path", limit=READ_PEEK):
+    view = chat_view(cfg, student, lambda: teacher)  # chat: each side's own template (one line for a lossy one)
+    spec = FormatSpec.of(ds, key, chat_template=chat_template(cfg.data.chat_template), add_bos=cfg.data.add_bos,
+                         ignore_index=cfg.loss.ignore_index, chat_view=view)
+    for i, row in enumerate(read_rows(ds.path, split=ds.split, key=f"{key}.path", limit=READ_PEEK)):
         try:
             check_row(row, spec)
         except ConfigError:  # a bad row is the data's own line, from the job that reads it
             continue
-        sample = render(row, spec, student)  # as the job renders it: prompt and response, BOS and EOS
-        check_unchanged(reader.read([*sample.input_ids, sample.labels[-1]]), where)
+        sample = render(row, spec, student, where=f"{key}: {ds.path} row {i + 1}")  # as the job renders it
+        if view is None:
+            check_unchanged(reader.read([*sample.input_ids, sample.labels[-1]]), where)
 
 
-def preflight_models(cfg: RunConfig) -> None:
-    """Raise a ConfigError for any model problem that can be seen without loading weights."""
+def preflight_models(cfg: RunConfig, several: bool = False) -> None:
+    """Raise a ConfigError for any model problem that can be seen without loading weights (``several``: the
+    teacher is one of several)."""
     s_dir, s_cfg = _source("model", cfg.model)
     t_dir, t_cfg = _source("teacher", cfg.teacher)
     for section, conf in (("model", s_cfg), ("teacher", t_cfg)):
@@ -200,7 +212,7 @@ def preflight_models(cfg: RunConfig) -> None:
     from kdsweep.teacher.check import preflight_cache
 
     if cross_tokenizer(cfg):  # the teacher reads the same text in its own tokens (kdsweep.teacher.cross)
-        check_cross_tokenizer(cfg)
+        check_cross_tokenizer(cfg, several)
         preflight_cache(cfg, _vocab(t_cfg) or 0, aligned=True)  # the teacher's distribution, on aligned spans
         return
     preflight_cache(cfg, min((v for v in (_vocab(s_cfg), _vocab(t_cfg)) if v), default=0))

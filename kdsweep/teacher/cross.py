@@ -25,6 +25,7 @@ from kdsweep.losses.cross_tokenizer import VocabMap
 from kdsweep.losses.divergences import log_probs
 from kdsweep.teacher.align import Span, align_spans, shared_vocab
 from kdsweep.teacher.reader import RowReader, vocab_bytes
+from kdsweep.teacher.views import ViewReads
 
 
 @dataclass
@@ -126,13 +127,15 @@ def vocab_map_of(student: Any, teacher: Any, teacher_vocab: int) -> VocabMap:
 
 class CrossTokenizerTeacher:
     """A live teacher with its own tokenizer (a :class:`~kdsweep.teacher.source.TeacherSource`): each student row is
-    read in the teacher's tokens (:class:`~kdsweep.teacher.reader.RowReader`), the teacher runs on those, and its
-    targets come back on the student's positions (:class:`~kdsweep.losses.aligned.Aligned`)."""
+    read in the teacher's tokens (:class:`~kdsweep.teacher.reader.RowReader`; chat rows in its own template:
+    :class:`~kdsweep.teacher.views.ViewReads`), the teacher runs on those, and its targets come back on the
+    student's positions (:class:`~kdsweep.losses.aligned.Aligned`). ``split``: the rows its batches come from."""
 
-    def __init__(self, model: nn.Module, reader: RowReader, vocab_map: VocabMap, *, loss: str, ignore_index: int,
-                 student_vocab: int, max_positions: int, pad_id: int, w_matched: float | None = None,
-                 w_unmatched: float | None = None, kl_divergence: str = "forward_kl", kl_beta: float = 0.5) -> None:
-        self.model, self.reader, self.vocab_map = model, reader, vocab_map
+    def __init__(self, model: nn.Module, reader: RowReader | ViewReads, vocab_map: VocabMap, *, loss: str,
+                 ignore_index: int, student_vocab: int, max_positions: int, pad_id: int, w_matched: float | None = None,
+                 w_unmatched: float | None = None, kl_divergence: str = "forward_kl", kl_beta: float = 0.5,
+                 split: str = "train") -> None:
+        self.model, self.reader, self.vocab_map, self.split = model, reader, vocab_map, split
         self.loss, self.ignore_index, self.student_vocab = loss, ignore_index, student_vocab
         self.max_positions, self.pad_id = max_positions, pad_id
         self.weights, self.kl = (w_matched, w_unmatched), (kl_divergence, kl_beta)
@@ -140,14 +143,11 @@ class CrossTokenizerTeacher:
         self.kd_spans, self.kd_spans_dropped, self.tokens_unaligned = 0, 0, 0
         """KD spans taken, spans that could not take a term, and student content tokens in no span (cut rows)."""
 
-    def build(self, batch: Batch) -> tuple[CrossTargets, list[int]]:
-        """The batch's targets, and per row its student content tokens in no span (a row the teacher's reading
-        changed, or cut)."""
+    def build(self, batch: Batch, split: str | None = None) -> tuple[CrossTargets, list[int]]:
+        """The batch's targets (its rows from ``split``, default this teacher's), and per row its student content
+        tokens in no span (a row the teacher's reading changed, or cut)."""
+        reads = self.reader.read_batch(batch, split or self.split, self.ignore_index)
         ids = batch.input_ids.tolist()
-        starts = ([{k for k, p in enumerate(row) if p == 0} for row in batch.position_ids.tolist()]
-                  if batch.position_ids is not None else [set()] * len(ids))
-        reads = [self.reader.read(row, labels, doc, self.ignore_index)
-                 for row, labels, doc in zip(ids, batch.labels.tolist(), starts)]
         width = max(1, min(self.max_positions, max(len(r.teacher_ids) for r in reads)))
         t_ids = torch.full((len(ids), width), self.pad_id, dtype=torch.long)
         t_pos = torch.arange(width).repeat(len(ids), 1)

@@ -51,7 +51,7 @@ class SpanTargets:
 
     def __call__(self, batch: Batch, split: str) -> tuple[RowFields, int]:
         before = self.source.tokens_computed
-        built, unaligned = self.source.build(batch)
+        built, unaligned = self.source.build(batch, split)
         fields = span_fields(built, unaligned, *batch.input_ids.shape, self.spec)
         return (lambda r, index, length: {k: v[r, :length] for k, v in fields.items()}), \
             self.source.tokens_computed - before

@@ -61,7 +61,7 @@ def vocab_size(model_dir: Path) -> int:
     return int(AutoConfig.from_pretrained(model_dir).get_text_config().vocab_size)
 
 
-def check_reads(reader: Any, data: RunData, section: str, rows: int = 16) -> None:
+def check_reads(reader: Any, data: RunData, section: str, ignore_index: int, rows: int = 16) -> None:
     """The teacher reads the first training rows back as the same text (one line, before the first step, if its
     tokenizer changes the text: lossy normalisation)."""
     from kdsweep.config.schema import ConfigError
@@ -69,8 +69,7 @@ def check_reads(reader: Any, data: RunData, section: str, rows: int = 16) -> Non
     from kdsweep.teacher.reader import KEEP_THE_TEXT, check_unchanged
 
     batch = data.train.batch(torch.arange(min(rows, len(data.train))))
-    for row in batch.input_ids.tolist():
-        read = reader.read(row)
+    for read in reader.read_batch(batch, "train", ignore_index):
         check_unchanged(read, section)
         try:
             align_spans(read.text, read.student, read.teacher, read.skipped)
@@ -85,6 +84,8 @@ class CrossPair:
     how the spans are scored, and what run.json says of it; live (:meth:`live`) or cached alike."""
 
     reader: Any
+    """How the teacher reads the student's rows: from their tokens (:class:`~kdsweep.teacher.reader.RowReader`), or
+    chat rows in its own template from what was kept beside them (:class:`~kdsweep.teacher.views.ViewReads`)."""
     scoring: dict[str, Any]
     """:class:`~kdsweep.losses.aligned.Aligned`'s settings: ``student_vocab``, ``loss``, ``vocab_map``, the GOLD
     weights, the logged divergence."""
@@ -95,11 +96,12 @@ class CrossPair:
     record: dict[str, Any]
     ignore_index: int
 
-    def live(self, model: torch.nn.Module) -> Any:
+    def live(self, model: torch.nn.Module, split: str = "train") -> Any:
+        """The live teacher of ``split``'s rows."""
         from kdsweep.teacher.cross import CrossTokenizerTeacher
 
         return CrossTokenizerTeacher(model, self.reader, ignore_index=self.ignore_index, max_positions=self.max_positions,
-                                     pad_id=self.pad_id, **self.scoring)
+                                     pad_id=self.pad_id, split=split, **self.scoring)
 
 
 def cross_pair(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: RunData, device: torch.device) -> CrossPair:
@@ -111,6 +113,7 @@ def cross_pair(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: RunDa
     from kdsweep.models.load import load_tokenizer
     from kdsweep.teacher.cross import vocab_map_of
     from kdsweep.teacher.reader import RowReader
+    from kdsweep.teacher.views import ViewReads
 
     s_tok, t_tok = load_tokenizer(student_dir), load_tokenizer(teacher_dir)
     t_conf = AutoConfig.from_pretrained(teacher_dir).get_text_config()
@@ -121,8 +124,9 @@ def cross_pair(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: RunDa
                               "(vocab_size in config.json); the model does not match its tokenizer")
     vocab_map = vocab_map_of(s_tok, t_tok, int(t_conf.vocab_size)).to(device)
     loss = cfg.loss
-    reader = RowReader(s_tok, t_tok)
-    check_reads(reader, data, "teacher")
+    reader = RowReader(s_tok, t_tok) if data.train.views is None else \
+        ViewReads({"train": data.train.views, "eval": data.eval.views})
+    check_reads(reader, data, "teacher", loss.ignore_index)
     w_m = vocab_map.matched_share if loss.gold_matched_weight is None else loss.gold_matched_weight
     w_u = 1.0 - w_m if loss.gold_unmatched_weight is None else loss.gold_unmatched_weight
     log.info("teacher: its own tokenizer (%d tokens; the student's %d; %d shared): %s over aligned spans%s",
@@ -165,7 +169,7 @@ def open_teacher(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: Run
         identity = teacher_hash(teacher_dir, cache_root(cfg) / "hashes")
         if cross_tokenizer(cfg):
             pair = cross_pair(cfg, teacher_dir, student_dir, data, device)
-            return Teacher(pair.live(model), pair.live(model), {"source": "live", **pair.record}, identity)
+            return Teacher(pair.live(model, "train"), pair.live(model, "eval"), {"source": "live", **pair.record}, identity)
         live = LiveTeacher(model, fused=cfg.loss.impl == "fused")
         return Teacher(live, live, {"source": "live", "teacher_ce": "exact", "kl": "exact (T=1)"}, identity)
     if cross_tokenizer(cfg):

@@ -42,12 +42,17 @@ KEEP_THE_TEXT = "use a teacher whose tokenizer keeps the text, or one with the s
 """The fix a refusal of a teacher whose reading changes the text names."""
 
 
+def text_changed(where: str, seen: str, spelled: str) -> ConfigError:
+    """The one line for a tokenizer whose tokens of ``seen`` spell ``spelled`` (``where``: whose, or which row)."""
+    seen, spelled = (" ".join(t.split())[:60] for t in (seen, spelled))
+    return ConfigError(f"{where}: its tokenizer does not give the data's text back as it is (it reads {seen!r} as "
+                       f"{spelled!r}: its normalisation changes the text); {KEEP_THE_TEXT}")
+
+
 def check_unchanged(read: "Read", where: str) -> None:
     """One line when the teacher's tokens of ``read`` spell its text otherwise (``where``: the teacher's key)."""
     if read.changed is not None:
-        seen, spelled = (" ".join(t.split())[:60] for t in read.changed)
-        raise ConfigError(f"{where}: its tokenizer does not give the data's text back as it is (it reads {seen!r} as "
-                          f"{spelled!r}: its normalisation changes the text); {KEEP_THE_TEXT}")
+        raise text_changed(where, *read.changed)
 
 
 MARKERS = ("\ue000", "\ue001")
@@ -88,6 +93,14 @@ class RowReader:
         self.teacher = teacher
         self.t_bos, self.t_eos = teacher.bos_token_id, teacher.eos_token_id
         self.t_pieces = [b"" if e is None else e[0] for e in vocab_bytes(teacher)]
+
+    def read_batch(self, batch: Any, split: str, ignore_index: int) -> list[Read]:
+        """A micro-batch's rows, packed documents apart (``split`` does not matter: the rows' tokens are all it
+        reads; :class:`kdsweep.teacher.views.ViewReads` reads chat rows from what was kept beside them)."""
+        ids = batch.input_ids.tolist()
+        starts = ([{k for k, p in enumerate(row) if p == 0} for row in batch.position_ids.tolist()]
+                  if batch.position_ids is not None else [set()] * len(ids))
+        return [self.read(row, labels, doc, ignore_index) for row, labels, doc in zip(ids, batch.labels.tolist(), starts)]
 
     def read(self, ids: list[int], labels: list[int] | None = None, doc_starts: set[int] = frozenset(),
              ignore_index: int = -100) -> Read:
@@ -201,4 +214,4 @@ class RowReader:
         return out
 
 
-__all__ = ["KEEP_THE_TEXT", "Read", "RowReader", "check_unchanged", "is_byte_level", "vocab_bytes"]
+__all__ = ["KEEP_THE_TEXT", "Read", "RowReader", "check_unchanged", "is_byte_level", "text_changed", "vocab_bytes"]

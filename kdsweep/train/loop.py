@@ -19,6 +19,7 @@ from kdsweep.data.dataset import load_data
 from kdsweep.distributed import DistEnv, device_for, single_process
 from kdsweep.metrics.records import RunRecord
 from kdsweep.models.load import load_tokenizer, resolve_dir, unsharded_on_rank0
+from kdsweep.teacher.views import chat_view
 from kdsweep.train.kept import Kept
 from kdsweep.train.knobs import warn_idle_knobs
 from kdsweep.train.profile import step_profiler
@@ -68,7 +69,9 @@ def prepare_data(cfg: RunConfig) -> None:
     """Build the run's tokenization cache here, before local ranks are spawned: a bad row is then one line from
     this process, and the ranks only memory-map the result."""
     student_dir = resolve_dir(cfg.model)
-    load_data(cfg.data, load_tokenizer(student_dir), student_dir, cfg.loss.ignore_index)
+    tokenizer = load_tokenizer(student_dir)
+    view = chat_view(cfg, tokenizer, lambda: load_tokenizer(resolve_dir(cfg.teacher, "teacher")))
+    load_data(cfg.data, tokenizer, student_dir, cfg.loss.ignore_index, view)
 
 
 def run(

@@ -27,6 +27,7 @@ from kdsweep.metrics.records import SHARED_THREADS, RunRecord, job_started
 from kdsweep.models.load import load_tokenizer, resolve_dir
 from kdsweep.teacher.job import Teacher, open_teacher
 from kdsweep.teacher.mixture import mix
+from kdsweep.teacher.views import chat_view
 from kdsweep.train.kept import Kept
 
 log = logging.getLogger(__name__)
@@ -51,11 +52,14 @@ class Sources:
 
 
 def open_data(cfg: RunConfig, student_dir: Path, kept: Kept) -> tuple[Any, RunData]:
-    """The student's tokenizer and the run's rows, kept by a worker under the keys of their content."""
+    """The student's tokenizer and the run's rows (with a teacher of another tokenizer, its reading of chat samples
+    in its own template beside them), kept by a worker under the keys of their content."""
     tokenizer = kept.get("tokenizer", lambda: (str(student_dir), tokenizer_digest(student_dir)),
                          lambda: load_tokenizer(student_dir))
-    key = lambda: (str(data_cache_root(cfg.data)), data_key(cfg.data, student_dir, cfg.loss.ignore_index))
-    data = kept.get("data", key, lambda: load_data(cfg.data, tokenizer, student_dir, cfg.loss.ignore_index))
+    view = chat_view(cfg, tokenizer, lambda: load_tokenizer(resolve_dir(cfg.teacher, "teacher")))
+    identity = None if view is None else view.identity
+    key = lambda: (str(data_cache_root(cfg.data)), data_key(cfg.data, student_dir, cfg.loss.ignore_index, identity))
+    data = kept.get("data", key, lambda: load_data(cfg.data, tokenizer, student_dir, cfg.loss.ignore_index, view))
     if "data" in kept.reused:
         log.info("data: the rows of %s, kept by this worker from an earlier trial", data.cache_dir)
         for split in ("train", "eval"):

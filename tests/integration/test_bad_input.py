@@ -61,7 +61,15 @@ CASES = {
                                 "generation with a teacher of another tokenizer"),
     "cross_tokenizer_chat": (["teacher=tiny_other", "data=chat", "data.datasets.0.path={root}/chat.jsonl",
                               "data.chat_template={root}/chat.jinja"],
-                             "data.datasets[0].format=chat: a teacher with another tokenizer would read the student's chat template as text"),
+                             "teacher: chat data needs the teacher's own chat template, and its tokenizer has none; set "
+                             "teacher.chat_template"),
+    "cross_tokenizer_mixed_formats": (["teacher=tiny_other", "data=mixture", "data.datasets.0.path={root}/instructions.jsonl",
+                                       "data.datasets.1.path={root}/chat.jsonl", "data.chat_template={root}/chat.jinja"],
+                                      "data.datasets[0] is not chat but data.datasets[1] is"),
+    "teachers_chat": (["teachers=[{{zoo:tiny-teacher}},{{zoo:tiny-teacher-other}}]", "data=chat",
+                       "data.datasets.0.path={root}/chat.jsonl", "data.chat_template={root}/chat.jinja"],
+                      "data.datasets[0].format=chat: among several teachers, one with another tokenizer than the "
+                      "student's cannot read chat rows in its own template yet"),
     "teachers_weights": (["teachers=[{{zoo:tiny-teacher,weight:0}},{{zoo:tiny-teacher-other,weight:0}}]"],
                          "teachers: the weights [0.0, 0.0] sum to 0"),
     "cross_tokenizer_weights": (["teacher=tiny_other", "loss.gold_matched_weight=0.5"],

@@ -236,3 +236,54 @@ def test_kill_9_then_rerun_across_tokenizers_gives_the_uninterrupted_run(cross_r
     want = [r for r in read_metrics(cross_runs["gold"]) if r["kind"] == "train"]
     assert [r["step"] for r in got] == list(range(1, 7))
     assert [round(r["loss"], 6) for r in got] == [round(r["loss"], 6) for r in want]
+
+
+TEACHER_TEMPLATE = ("<s>{% for m in messages %}[{{ m['role'] }}]\n{{ m['content'] | trim }}</s>{% endfor %}"
+                    "{% if add_generation_prompt %}[assistant]\n{% endif %}")
+"""A header template of the second teacher's own, in its tokenizer's BOS and EOS (the zoo ships no template)."""
+
+
+@pytest.fixture(scope="module")
+def chat_runs(tmp_path_factory, other_teacher):
+    """Chats from the shipped corpus, the student in Qwen3's template as Qwen ships it (reasoning: the last turn's
+    empty <think> block), the second teacher in its own; one job with the live teacher, one from its cache, side by
+    side."""
+    from kdsweep.data.text import EMBEDDED_CORPUS
+
+    root = tmp_path_factory.mktemp("chat")
+    sentences = [s.strip() + "." for s in Path(EMBEDDED_CORPUS).read_text().split(". ") if 30 < len(s) < 120]
+    chats = [{"messages": [{"role": "user", "content": f"What follows: {sentences[2 * k][:30]}?"},
+                           {"role": "assistant", "content": sentences[2 * k]},
+                           {"role": "user", "content": "And then?"},
+                           {"role": "assistant", "content": sentences[2 * k + 1]}]} for k in range(120)]
+    (root / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
+    (root / "teacher.jinja").write_text(TEACHER_TEMPLATE)
+    qwen3 = Path(__file__).resolve().parents[1] / "data" / "chat_templates" / "qwen3.jinja"
+    args = ["teacher=tiny_other", "data=chat", f"data.datasets.0.path={root / 'chats.jsonl'}", f"data.chat_template={qwen3}",
+            f"teacher.chat_template={root / 'teacher.jinja'}", "data.seq_len=256", f"data.cache_dir={root / 'data'}", *SHORT]
+    runs = {"live": root / "live", "cache": root / "cache"}
+    with ThreadPoolExecutor(2) as pool:  # one tokenizes the rows (and the teacher's readings), the other waits for them
+        done = [pool.submit(kdsweep, *args, f"hydra.run.dir={run_dir}", cwd=root, *(
+            ["teacher.logits=cache", "teacher.cache.method=full", f"teacher.cache.dir={root / 'tc'}"] if name == "cache" else []))
+            for name, run_dir in runs.items()]
+        for job in done:
+            job.result()
+    return runs, root
+
+
+def test_chat_rows_are_read_in_the_teachers_own_template_live_and_cached_alike(chat_runs):
+    runs, root = chat_runs
+    live, cached = read_run(runs["live"]), read_run(runs["cache"])
+    assert live["status"] == cached["status"] == "completed" and cached["teacher_targets"]["built"]
+    # the teacher's readings were kept beside the rows (one tokenization for both jobs)
+    (rows_dir,) = [d for d in (root / "data").iterdir() if (d / "train.pt").is_file()]
+    assert (rows_dir / "train.views.pt").is_file() and (rows_dir / "eval.views.pt").is_file()
+    assert sorted([live["data"]["cache_reused"], cached["data"]["cache_reused"]]) == [False, True]
+    counts = live["alignment"]
+    assert counts["kd_spans"] > 0 and counts["kd_spans_dropped"] == 0 and cached["alignment"] == counts
+    assert cached["objective"] == pytest.approx(live["objective"], abs=1e-5)
+    for x, y in zip(read_metrics(runs["live"]), read_metrics(runs["cache"]), strict=True):
+        for key in ("loss", "ce", "kd", "kl", "student_ce", "teacher_ce", "grad_norm"):
+            if key in x:
+                assert y[key] == pytest.approx(x[key], abs=1e-5, rel=1e-5), (x["kind"], x["step"], key)
+    assert all(math.isfinite(r["kd"]) and r["kd"] > 0 for r in read_metrics(runs["live"]) if r["kind"] == "train")

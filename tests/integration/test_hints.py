@@ -8,6 +8,7 @@ rows) run the real command.
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -17,6 +18,11 @@ from conftest import QUIET, kdsweep, read_run
 from helpers import save_arch, word_tokenizer
 
 pytestmark = pytest.mark.slow
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+HEADERS = ("<s>{% for m in messages %}[{{ m['role'] }}]\n{{ m['content'] | trim }}</s>{% endfor %}"
+           "{% if add_generation_prompt %}[assistant]\n{% endif %}")  # the zoo tokenizers' own BOS and EOS
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +54,9 @@ CONFIG = {
                               "e.g. teachers.0.weight=1", ["teachers.0.weight=1"]),
     "teachers_negative_weight": (["teachers=[{{zoo:tiny-teacher,weight:1}},{{zoo:tiny-teacher-other,weight:-1}}]"],
                                  "teachers.1.weight=-1.0 is negative", ["teachers.1.weight=0.5"]),
+    "cross_chat_template": (["teacher=tiny_other", "data=chat", "data.datasets.0.path={root}/x_chat.jsonl",
+                             "data.chat_template={root}/x_student.jinja", "data.seq_len=128"],
+                            "set teacher.chat_template", ["teacher.chat_template={root}/x_teacher.jinja"]),
     "teachers_fused": (["teachers=[{{zoo:tiny-teacher}},{{zoo:tiny-teacher-other}}]", "loss.impl=fused"],
                        "loss.impl=fused cannot mix several teachers", ["loss.impl=chunked"]),
     "teachers_rollout": (["teachers=[{{zoo:tiny-teacher}},{{zoo:tiny-teacher-other}}]", "rollout=on_policy"],
@@ -70,12 +79,16 @@ def test_a_configuration_hint_typed_as_it_says_validates(case, models, tmp_path)
     from kdsweep.config import ConfigError
 
     (tmp_path / "x.jsonl").write_text('{"instruction": "say hi", "input": "", "output": "hi"}\n' * 200)
+    chat = {"messages": [{"role": "user", "content": "say hi"}, {"role": "assistant", "content": "hi"}]}
+    (tmp_path / "x_chat.jsonl").write_text((json.dumps(chat) + "\n") * 200)
+    for name, template in (("student", CHATML), ("teacher", HEADERS)):
+        (tmp_path / f"x_{name}.jinja").write_text(template)
     bad, words, fix = CONFIG[case]
     bad = [a.format(root=models if "{root}/x" not in a else tmp_path) for a in bad]
+    fix = [f.format(root=models if "{root}/x" not in f else tmp_path) for f in fix]
     with pytest.raises(ConfigError) as e:
         validate(bad, tmp_path)
     assert words in str(e.value) and "\n" not in str(e.value)
-    fix = [f.format(root=models) for f in fix]
     fixed = [a for a in bad if a.split("=")[0] not in {f.split("=")[0] for f in fix}] + fix
     validate(fixed, tmp_path)
 
