@@ -107,15 +107,23 @@ def completed(proc):
     return proc
 
 
+FUSED = ["loss.impl=fused", "loss.num_chunks=5"]
+FUSED_OPTIONS = [[], ["dist=fsdp2_local"],
+                 ["dist=fsdp2_local", "dist.reshard_after_forward=false", "dist.activation_checkpointing=true"]]
+
+
 @pytest.fixture(scope="module")
 def small(tmp_path_factory, zoo_dirs):
-    """The 1-rank SMALL job every 2-rank result must match, and two 2-rank jobs of it: one multirun."""
+    """The 1-rank SMALL job every 2-rank result must match, two 2-rank jobs of it, the dense-logits job and a fused
+    job for each of FUSED_OPTIONS: one multirun."""
     root = tmp_path_factory.mktemp("small")
     proc, dirs = multirun(root, {
         "one_rank": [],
         "two": ["dist=fsdp2_local"],
         "options": ["dist=fsdp2_local", "dist.activation_checkpointing=true", "dist.cpu_offload=true",
                     "dist.reshard_after_forward=false"],
+        "dense": ["loss.impl=dense"],
+        **{f"fused{i}": [*FUSED, *o] for i, o in enumerate(FUSED_OPTIONS)},
     }, *SMALL)
     return completed(proc), dirs
 
@@ -200,25 +208,11 @@ def test_kill_9_of_one_rank_then_rerun_resumes(one_rank, tmp_path):
     assert_same_run(one_rank, run_dir)
 
 
-FUSED = ["loss.impl=fused", "loss.num_chunks=5"]
-FUSED_OPTIONS = [[], ["dist=fsdp2_local"],
-                 ["dist=fsdp2_local", "dist.reshard_after_forward=false", "dist.activation_checkpointing=true"]]
-
-
-@pytest.fixture(scope="module")
-def fused(tmp_path_factory, zoo_dirs):
-    """The dense 1-rank SMALL job and a fused job for each of FUSED_OPTIONS: one multirun."""
-    root = tmp_path_factory.mktemp("fused")
-    cases = {"dense": ["loss.impl=dense"], **{f"fused{i}": [*FUSED, *o] for i, o in enumerate(FUSED_OPTIONS)}}
-    proc, dirs = multirun(root, cases, *SMALL)
-    return completed(proc), dirs
-
-
 @pytest.mark.parametrize("options", FUSED_OPTIONS)
-def test_fused_loss_matches_dense(fused, options):
+def test_fused_loss_matches_dense(small, options):
     """loss.impl=fused (hidden states projected chunk by chunk by the LoRA output layers, FSDP-sharded on 2 ranks)
     trains exactly as the dense logits path on one rank."""
-    dirs = fused[1]
+    dirs = small[1]
     assert_same_run(dirs["dense"], dirs[f"fused{FUSED_OPTIONS.index(options)}"])
 
 
