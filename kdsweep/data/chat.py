@@ -53,10 +53,12 @@ class Rendering(NamedTuple):
     content's end where the template writes it otherwise."""
 
 
-def assistant_spans(messages: Sequence[Mapping[str, Any]], render: Callable[..., str], where: str) -> Rendering:
+def assistant_spans(messages: Sequence[Mapping[str, Any]], render: Callable[..., str], where: str,
+                    fix: str = "data.chat_template") -> Rendering:
     """``full``, the ``[start, end)`` character span of every assistant turn in it, and where each turn's content is.
 
-    ``render(messages, prompt)`` is the template's text of a conversation (``prompt``: with the generation prompt).
+    ``render(messages, prompt)`` is the template's text of a conversation (``prompt``: with the generation prompt);
+    ``fix``: the setting an error names (whose template it is).
     """
     full = render(messages)
     marked_messages = [dict(m, content=_marked(m["content"], i)) if m["role"] == "assistant" else m
@@ -64,7 +66,7 @@ def assistant_spans(messages: Sequence[Mapping[str, Any]], render: Callable[...,
     marked = render(marked_messages)
     if _MARK.sub("", marked) != full:
         raise ConfigError(f"{where}: the chat template changes the message contents it is given, so assistant turns "
-                          "cannot be located in its rendering; fix the row or set data.chat_template")
+                          f"cannot be located in its rendering; fix the row or set {fix}")
     spans, contents = [], []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
@@ -73,13 +75,12 @@ def assistant_spans(messages: Sequence[Mapping[str, Any]], render: Callable[...,
         content_end = marked.find(mark)
         if content_end < 0:
             raise ConfigError(f"{where}: the chat template leaves out the content of message {i} (an assistant turn), "
-                              "so it cannot be trained on; fix the row or set data.chat_template")
+                              f"so it cannot be trained on; fix the row or set {fix}")
         start = _generation_start(marked_messages[:i], render, marked, content_end)
         if start is None:
             raise ConfigError(
                 f"{where}: the chat template renders the conversation before message {i} (an assistant turn) "
-                "differently from its generation prompt, so the turn cannot be located; fix the row or set "
-                "data.chat_template"
+                f"differently from its generation prompt, so the turn cannot be located; fix the row or set {fix}"
             )
         through = render(marked_messages[:i + 1])
         at = through.rfind(mark)  # the turn's closing text, where the template writes the turn as the last one

@@ -84,7 +84,7 @@ def on_contents(rendering: Rendering, places: Sequence[Offset], shared: Sequence
             if o is None:
                 break
             a, b = o
-            if a < ce_b and b > cs_b:
+            if max(a, cs_b) < min(b, ce_b):  # over the content (an empty one, not shared, has none over it)
                 place = (max(a, cs_b) - cs_b + base, min(b, ce_b) - cs_b + base)
                 break
             if ce_b <= a < close_b and k not in ended and data[a:b].strip():  # not the content's trailing space
@@ -123,7 +123,8 @@ class TeacherViews:
         return render
 
     def __call__(self, messages: list[dict[str, Any]], rendering: Rendering, ids: list[int], where: str) -> View:
-        theirs = assistant_spans(messages, self._render(where), f"{where} (the teacher's chat template)")
+        theirs = assistant_spans(messages, self._render(where), f"{where} (the teacher's chat template)",
+                                 fix=f"{self.section}.chat_template")
         t_ids = list(self.teacher(theirs.full, add_special_tokens=False)["input_ids"])
         s_places = placed(ids, self.s_pieces, self.s_special, rendering.full, f"model ({where})")
         t_places = placed(t_ids, self.t_pieces, self.t_special, theirs.full, f"{self.section} ({where})")
@@ -150,7 +151,7 @@ def read_views(views: Sequence[View], ids: list[int], labels: list[int], documen
     text, student, seq, predictor = "", [], [], []
     t_ids, t_off, t_pos = [], [], []
     for view, (p0, p1) in zip(views, documents):
-        base, m = len(text), p1 - p0
+        base = len(text)
         tokens = ids[p0:p1] + ([labels[p1 - 1]] if labels[p1 - 1] != ignore_index else [])
         shift = lambda o: None if o is None else (o[0] + base, o[1] + base)
         places = [shift(o) for o in view.student[: len(tokens)]]
@@ -188,23 +189,23 @@ class ViewReads:
         return reads
 
 
-
-
-def chat_view(cfg: Any, student: Any, teacher: Callable[[], Any]) -> TeacherViews | None:
+def chat_view(cfg: Any, student: Any = None, teacher: Callable[[], Any] | None = None) -> TeacherViews | None:
     """How the run's teacher reads its chat samples: in its own template when its tokenizer is not the student's
-    (None: the same tokenizer, several teachers, or no chat data); ``teacher()`` loads its tokenizer. One line for
-    a teacher with no template."""
+    (None: the same tokenizer, several teachers, or no chat data). ``student``: its tokenizer, and ``teacher()``
+    loads the teacher's (default: each from its model's directory). One line for a teacher with no template."""
     from kdsweep.data.formats import chat_template
     from kdsweep.models.check import cross_tokenizer
+    from kdsweep.models.load import load_tokenizer, resolve_dir
 
     chat = any(ds.format == "chat" for ds in (*cfg.data.datasets, *cfg.data.eval_datasets))
     if not chat or cfg.teachers or not cross_tokenizer(cfg):
         return None
-    tokenizer = teacher()
+    tokenizer = teacher() if teacher is not None else load_tokenizer(resolve_dir(cfg.teacher, "teacher"))
     template = chat_template(cfg.teacher.chat_template) or getattr(tokenizer, "chat_template", None)
     if not template:
         raise ConfigError("teacher: chat data needs the teacher's own chat template, and its tokenizer has none; set "
                           "teacher.chat_template (a template, or a .jinja file)")
-    return TeacherViews(student, tokenizer, template)
+    return TeacherViews(student if student is not None else load_tokenizer(resolve_dir(cfg.model)), tokenizer, template)
+
 
 __all__ = ["TURN_END", "TeacherViews", "ViewReads", "chat_view", "on_contents", "placed", "read_views", "token_bytes"]

@@ -70,7 +70,7 @@ def prepare_data(cfg: RunConfig) -> None:
     this process, and the ranks only memory-map the result."""
     student_dir = resolve_dir(cfg.model)
     tokenizer = load_tokenizer(student_dir)
-    view = chat_view(cfg, tokenizer, lambda: load_tokenizer(resolve_dir(cfg.teacher, "teacher")))
+    view = chat_view(cfg, tokenizer)
     load_data(cfg.data, tokenizer, student_dir, cfg.loss.ignore_index, view)
 
 

@@ -12,6 +12,7 @@ from kdsweep.checkpoint import steps as checkpoints
 from kdsweep.config.schema import ConfigError, RunConfig
 from kdsweep.data.dataset import data_key
 from kdsweep.models.load import resolve_dir
+from kdsweep.teacher.views import chat_view
 
 
 def training_fingerprint(cfg: RunConfig, data_key: str) -> dict[str, Any]:
@@ -54,7 +55,10 @@ def check_resumable(cfg: RunConfig) -> Path | None:
             "pass a new hydra.run.dir to start over"
         )
     saved = torch.load(latest / "state_rank0.pt", weights_only=False).get("fingerprint")
-    now = training_fingerprint(cfg, data_key(cfg.data, resolve_dir(cfg.model), cfg.loss.ignore_index))
+    student_dir = resolve_dir(cfg.model)
+    view = chat_view(cfg)  # the key of the rows the job reads: with the teacher's readings, if any
+    now = training_fingerprint(cfg, data_key(cfg.data, student_dir, cfg.loss.ignore_index,
+                                             None if view is None else view.identity))
     if saved is not None and saved != now:
         a, b = _flat(saved), _flat(now)
         diff = [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]

@@ -56,7 +56,7 @@ def open_data(cfg: RunConfig, student_dir: Path, kept: Kept) -> tuple[Any, RunDa
     in its own template beside them), kept by a worker under the keys of their content."""
     tokenizer = kept.get("tokenizer", lambda: (str(student_dir), tokenizer_digest(student_dir)),
                          lambda: load_tokenizer(student_dir))
-    view = chat_view(cfg, tokenizer, lambda: load_tokenizer(resolve_dir(cfg.teacher, "teacher")))
+    view = chat_view(cfg, tokenizer)
     identity = None if view is None else view.identity
     key = lambda: (str(data_cache_root(cfg.data)), data_key(cfg.data, student_dir, cfg.loss.ignore_index, identity))
     data = kept.get("data", key, lambda: load_data(cfg.data, tokenizer, student_dir, cfg.loss.ignore_index, view))

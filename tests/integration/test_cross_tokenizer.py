@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -262,18 +263,26 @@ def chat_runs(tmp_path_factory, other_teacher):
     args = ["teacher=tiny_other", "data=chat", f"data.datasets.0.path={root / 'chats.jsonl'}", f"data.chat_template={qwen3}",
             f"teacher.chat_template={root / 'teacher.jinja'}", "data.seq_len=256", f"data.cache_dir={root / 'data'}", *SHORT]
     runs = {"live": root / "live", "cache": root / "cache"}
+    extra = {"live": ["checkpoint.save_every=3"],
+             "cache": ["teacher.logits=cache", "teacher.cache.method=full", f"teacher.cache.dir={root / 'tc'}"]}
     with ThreadPoolExecutor(2) as pool:  # one tokenizes the rows (and the teacher's readings), the other waits for them
-        done = [pool.submit(kdsweep, *args, f"hydra.run.dir={run_dir}", cwd=root, *(
-            ["teacher.logits=cache", "teacher.cache.method=full", f"teacher.cache.dir={root / 'tc'}"] if name == "cache" else []))
-            for name, run_dir in runs.items()]
+        done = [pool.submit(kdsweep, *args, *extra[name], f"hydra.run.dir={run_dir}", cwd=root)
+                for name, run_dir in runs.items()]
         for job in done:
             job.result()
-    return runs, root
+    # run again (on a copy), the live job resumes from its last checkpoint: its fingerprint holds the key of the
+    # rows it reads, the teacher's readings included
+    shutil.copytree(runs["live"], root / "again")
+    rerun = kdsweep(*args, *extra["live"], f"hydra.run.dir={root / 'again'}", cwd=root, check=False)
+    return runs, root, rerun
 
 
 def test_chat_rows_are_read_in_the_teachers_own_template_live_and_cached_alike(chat_runs):
-    runs, root = chat_runs
+    runs, root, rerun = chat_runs
     live, cached = read_run(runs["live"]), read_run(runs["cache"])
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    again = read_run(root / "again")
+    assert again["attempts"] == 2 and again["start_step"] == 6 and again["resumed_from"].endswith("step_00000006")
     assert live["status"] == cached["status"] == "completed" and cached["teacher_targets"]["built"]
     # the teacher's readings were kept beside the rows (one tokenization for both jobs)
     (rows_dir,) = [d for d in (root / "data").iterdir() if (d / "train.pt").is_file()]

@@ -125,7 +125,8 @@ def test_views_go_through_rows_and_their_files_and_only_assistant_turns_take_kd_
     untaken = set(((flat != IGNORE) & ~touched).nonzero().squeeze(-1).tolist())
     assert placeless <= untaken and len(untaken - placeless) <= 4 * cross.kd_spans_dropped, (untaken, placeless)
     assert placeless and all(s.decode([int(flat[k])]).strip() == "" for k in placeless)
-    assert cross.kd_spans_dropped == (0 if sequences == "pack" else cross.kd_spans_dropped) and cross.kd_spans > 0
+    # whole chats leave no span out; a chat cut at seq_len leaves at most the one the cut went through
+    assert cross.kd_spans_dropped <= (0 if sequences == "pack" else stats["truncated"]) and cross.kd_spans > 0
 
 
 def test_a_teacher_that_changes_its_rendering_is_one_line():
