@@ -44,6 +44,8 @@ def _mark(i: int) -> str:
 
 
 class Rendering(NamedTuple):
+    """A template's rendering of a conversation and where its assistant turns lie in it."""
+
     full: str
     """The template's text of the whole conversation."""
     spans: list[tuple[int, int]]
