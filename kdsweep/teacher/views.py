@@ -18,6 +18,7 @@ teacher tokens cut where the student's tokens end.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from typing import Any, Callable, Sequence
 
@@ -102,12 +103,17 @@ class TeacherViews:
 
     def __init__(self, student: Any, teacher: Any, template: str, section: str = "teacher") -> None:
         self.student, self.teacher, self.template, self.section = student, teacher, template, section
-        self.s_pieces, self.t_pieces = token_bytes(student), token_bytes(teacher)
         self.s_special, self.t_special = set(student.all_special_ids), set(teacher.all_special_ids)
         backend = getattr(teacher, "backend_tokenizer", None)
         spec = backend.to_str() if backend is not None else repr(sorted(teacher.get_vocab().items()))
         self.identity = hashlib.sha256(repr((VIEWS_VERSION, spec, template, sorted(self.t_special))).encode()).hexdigest()[:16]
         """The teacher's tokenizer (vocabulary, normaliser, special tokens) and template: what its views depend on."""
+
+    @functools.cached_property
+    def pieces(self) -> tuple[list[bytes], list[bytes]]:
+        """The student's and the teacher's :func:`token_bytes`, made when the first sample is read (a job whose rows
+        are cached needs only :attr:`identity`)."""
+        return token_bytes(self.student), token_bytes(self.teacher)
 
     def _render(self, where: str) -> Callable[..., str]:
         def render(conversation: list[dict[str, Any]], prompt: bool = False) -> str:
@@ -126,8 +132,9 @@ class TeacherViews:
         theirs = assistant_spans(messages, self._render(where), f"{where} (the teacher's chat template)",
                                  fix=f"{self.section}.chat_template")
         t_ids = list(self.teacher(theirs.full, add_special_tokens=False)["input_ids"])
-        s_places = placed(ids, self.s_pieces, self.s_special, rendering.full, f"model ({where})")
-        t_places = placed(t_ids, self.t_pieces, self.t_special, theirs.full, f"{self.section} ({where})")
+        s_pieces, t_pieces = self.pieces
+        s_places = placed(ids, s_pieces, self.s_special, rendering.full, f"model ({where})")
+        t_places = placed(t_ids, t_pieces, self.t_special, theirs.full, f"{self.section} ({where})")
         shared = [rendering.full[a:b] == theirs.full[c:d] for (a, b), (c, d) in zip(rendering.contents, theirs.contents)]
         text, student = on_contents(rendering, s_places, shared)
         text_t, teacher = on_contents(theirs, t_places, shared)
@@ -189,16 +196,23 @@ class ViewReads:
         return reads
 
 
+def reads_chat_in_own_template(cfg: Any) -> bool:
+    """Whether the run's teacher reads chat samples in its own template: it has another tokenizer than the
+    student's (one teacher: several are refused with chat), and the data has chat sources."""
+    from kdsweep.models.check import cross_tokenizer
+
+    chat = any(ds.format == "chat" for ds in (*cfg.data.datasets, *cfg.data.eval_datasets))
+    return chat and not cfg.teachers and cross_tokenizer(cfg)
+
+
 def chat_view(cfg: Any, student: Any = None, teacher: Callable[[], Any] | None = None) -> TeacherViews | None:
     """How the run's teacher reads its chat samples: in its own template when its tokenizer is not the student's
     (None: the same tokenizer, several teachers, or no chat data). ``student``: its tokenizer, and ``teacher()``
     loads the teacher's (default: each from its model's directory). One line for a teacher with no template."""
     from kdsweep.data.formats import chat_template
-    from kdsweep.models.check import cross_tokenizer
     from kdsweep.models.load import load_tokenizer, resolve_dir
 
-    chat = any(ds.format == "chat" for ds in (*cfg.data.datasets, *cfg.data.eval_datasets))
-    if not chat or cfg.teachers or not cross_tokenizer(cfg):
+    if not reads_chat_in_own_template(cfg):
         return None
     tokenizer = teacher() if teacher is not None else load_tokenizer(resolve_dir(cfg.teacher, "teacher"))
     template = chat_template(cfg.teacher.chat_template) or getattr(tokenizer, "chat_template", None)
@@ -208,4 +222,5 @@ def chat_view(cfg: Any, student: Any = None, teacher: Callable[[], Any] | None =
     return TeacherViews(student if student is not None else load_tokenizer(resolve_dir(cfg.model)), tokenizer, template)
 
 
-__all__ = ["TURN_END", "TeacherViews", "ViewReads", "chat_view", "on_contents", "placed", "read_views", "token_bytes"]
+__all__ = ["TURN_END", "TeacherViews", "ViewReads", "chat_view", "on_contents", "placed", "read_views", "reads_chat_in_own_template",
+           "token_bytes"]

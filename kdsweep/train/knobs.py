@@ -7,7 +7,7 @@ from typing import Any
 
 from kdsweep.config.schema import DataConfig, DistConfig, RolloutConfig, RunConfig, StudentConfig, TeacherCacheConfig
 from kdsweep.distributed import DistEnv
-from kdsweep.models.check import cross_tokenizer
+from kdsweep.teacher.views import reads_chat_in_own_template
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +41,7 @@ def warn_idle_knobs(cfg: RunConfig, dist: DistEnv) -> None:
         for knob in ("max_new_tokens", "temperature", "top_p", "seed"):
             if changed(cfg.rollout, RolloutConfig(), knob):
                 log.warning("rollout.%s has no effect with lmbda=0 and rollout.seq_kd=false (nothing is generated)", knob)
-    if cfg.teacher.chat_template is not None and not (cross_tokenizer(cfg) and any(
-            ds.format == "chat" for ds in (*cfg.data.datasets, *cfg.data.eval_datasets))):
+    if cfg.teacher.chat_template is not None and not reads_chat_in_own_template(cfg):
         log.warning("teacher.chat_template has no effect: only a teacher with another tokenizer than the student's "
                     "reads chat data in its own template")
     if cfg.data.eval_datasets and changed(cfg.data, DataConfig(), "eval_fraction"):

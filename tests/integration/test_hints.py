@@ -16,13 +16,12 @@ from hydra import compose, initialize_config_dir
 
 from conftest import QUIET, kdsweep, read_run
 from helpers import save_arch, word_tokenizer
+from test_cross_tokenizer import TEACHER_TEMPLATE
 
 pytestmark = pytest.mark.slow
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-HEADERS = ("<s>{% for m in messages %}[{{ m['role'] }}]\n{{ m['content'] | trim }}</s>{% endfor %}"
-           "{% if add_generation_prompt %}[assistant]\n{% endif %}")  # the zoo tokenizers' own BOS and EOS
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +80,7 @@ def test_a_configuration_hint_typed_as_it_says_validates(case, models, tmp_path)
     (tmp_path / "x.jsonl").write_text('{"instruction": "say hi", "input": "", "output": "hi"}\n' * 200)
     chat = {"messages": [{"role": "user", "content": "say hi"}, {"role": "assistant", "content": "hi"}]}
     (tmp_path / "x_chat.jsonl").write_text((json.dumps(chat) + "\n") * 200)
-    for name, template in (("student", CHATML), ("teacher", HEADERS)):
+    for name, template in (("student", CHATML), ("teacher", TEACHER_TEMPLATE)):
         (tmp_path / f"x_{name}.jinja").write_text(template)
     bad, words, fix = CONFIG[case]
     bad = [a.format(root=models if "{root}/x" not in a else tmp_path) for a in bad]
