@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -212,10 +215,7 @@ def test_several_teachers_mix_their_divergences_each_from_its_own_cache(mixture,
 def test_kill_9_then_rerun_across_tokenizers_gives_the_uninterrupted_run(cross_runs, tmp_path):
     """The gold job of cross_runs, checkpointed every 2 steps, killed with SIGKILL after its first checkpoint and run
     again: it resumes and ends as the uninterrupted job did, every step logged once."""
-    import os
     import signal
-    import subprocess
-    import sys
     import time
 
     from test_resume import _wait_for_step
@@ -296,3 +296,28 @@ def test_chat_rows_are_read_in_the_teachers_own_template_live_and_cached_alike(c
             if key in x:
                 assert y[key] == pytest.approx(x[key], abs=1e-5, rel=1e-5), (x["kind"], x["step"], key)
     assert all(math.isfinite(r["kd"]) and r["kd"] > 0 for r in read_metrics(runs["live"]) if r["kind"] == "train")
+
+
+def test_one_tokenizer_forced_through_the_chat_views_gives_the_same_numbers(chat_runs, tmp_path):
+    """Chat rows read through the views (each side's template: here the same one, whose turns end with the EOS),
+    with the student's own tokenizer forced through the cross-tokenizer path: the plain run's numbers (1e-6)."""
+    _, root, _ = chat_runs
+    (tmp_path / "t.jinja").write_text(TEACHER_TEMPLATE)
+    args = ["data=chat", f"data.datasets.0.path={root / 'chats.jsonl'}", f"data.chat_template={tmp_path / 't.jinja'}",
+            f"teacher.chat_template={tmp_path / 't.jinja'}", "data.seq_len=256", *SHORT]
+    plain, forced = tmp_path / "plain", tmp_path / "forced"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "KDSWEEP_TEST_FORCE_CROSS_TOKENIZER": "1"}  # the forced job's only
+    with ThreadPoolExecutor(1) as pool:  # side by side
+        plain_done = pool.submit(kdsweep, *args, f"hydra.run.dir={plain}", cwd=tmp_path)
+        proc = subprocess.run([sys.executable, "-m", "kdsweep", *args, f"hydra.run.dir={forced}"], cwd=tmp_path,
+                              env=env, capture_output=True, text=True, timeout=600)
+        plain_done.result()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    a, b = read_run(plain), read_run(forced)
+    assert "cross_tokenizer" in b["teacher_targets"] and "cross_tokenizer" not in a["teacher_targets"]
+    assert b["alignment"]["kd_spans"] > 0 and b["alignment"]["kd_spans_dropped"] == 0
+    assert b["objective"] == pytest.approx(a["objective"], abs=1e-6)
+    for x, y in zip(read_metrics(plain), read_metrics(forced), strict=True):
+        for key in ("loss", "ce", "kd", "kl", "student_ce", "teacher_ce", "grad_norm"):
+            if key in x:
+                assert y[key] == pytest.approx(x[key], abs=1e-6, rel=1e-6), (x["kind"], x["step"], key)
