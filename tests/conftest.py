@@ -3,26 +3,33 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))
 
-# The embedded zoo is built from scratch once per cache, as a user's first run builds it. The second teacher
-# (tiny-teacher-other: its own tokenizer, then the tiny teacher's pre-training) is needed only by the integration
-# tests of a teacher with another tokenizer, well into the session, and the unit tests (first in testpaths) are
-# mostly one-threaded. So a session that runs integration tests starts its build at once, in a background process
-# of one thread at the lowest priority, on the core the unit tests leave idle; a test that needs it before it is
-# done waits on the build's lock (kdsweep.data.cache.built_once), as a user's second job would. Nothing is built
-# twice, and the tiny teacher and student are still built where the first test needs them (tests/integration).
-BACKGROUND_ZOO = ("tiny-teacher-other",)
+# The suite runs in two pytest-xdist workers (addopts: -n 2): most of its time is jobs of one busy thread (a
+# process's imports, a tiny model's steps, a controller's polls), so one job alone left a core of this 2-core
+# machine idle for a quarter of a serial run. Two workers keep both cores busy, and so every job the tests start
+# gets one intra-op thread, as each of two concurrent trials gets one from the controller: torch's default of
+# a thread per core would make two jobs' threads wait on each other at every step. A job that sets
+# train.threads, or an environment that sets OMP_NUM_THREADS, keeps its own.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# The embedded zoo is built from scratch once per cache, as a user's first run builds it. A session that runs
+# integration tests starts building it at once, in one background process (one thread), while both workers
+# run the unit tests (first in testpaths); a test that needs a model before it is done waits on the build's
+# lock (kdsweep.data.cache.built_once), as a user's second job would. Nothing is built twice.
+BACKGROUND_ZOO = ("tiny-teacher", "tiny-student", "tiny-teacher-other")
 _zoo_build: list[subprocess.Popen] = []
 
 
 def pytest_collection_finish(session):
     if session.config.option.collectonly or not any("integration" in item.nodeid for item in session.items):
         return
-    code = ("import torch; torch.set_num_threads(1); from kdsweep.models import zoo; "
-            f"[zoo.model_dir(name) for name in {BACKGROUND_ZOO!r}]")
-    _zoo_build.append(subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "OMP_NUM_THREADS": "1"},
-                                       preexec_fn=lambda: os.nice(19), stdout=subprocess.DEVNULL,
+    if os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":  # every worker collects the session: one builds
+        return
+    code = f"from kdsweep.models import zoo; [zoo.model_dir(name) for name in {BACKGROUND_ZOO!r}]"
+    _zoo_build.append(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL,
                                        stderr=subprocess.DEVNULL))
 
 
@@ -31,3 +38,49 @@ def pytest_sessionfinish(session, exitstatus):
         if proc.poll() is None:
             proc.terminate()
         proc.wait()
+
+
+# Which worker runs what. Each test file goes to one worker whole (its module fixtures are built once), and so
+# do the files that share one built artefact through helpers.once (a second worker would build it again).
+# Files are handed out in collection order: the unit and config tests first (while the zoo builds), then the
+# integration files, the longest first, so that the session does not end waiting on one long file.
+SHARED = {  # file -> the file whose artefact it reads
+    "tests/integration/test_dashboard.py": "tests/integration/test_sweep.py",  # faults_sweep
+    "tests/integration/test_storages.py": "tests/integration/test_teacher_cache.py",  # local_cache_sweep
+    "tests/integration/test_slurm_jobs.py": "tests/integration/test_cli_run.py",  # smoke_run
+}
+LONGEST_FIRST = [f"tests/integration/test_{name}.py" for name in (  # CI's per-file times, the SHARED pairs summed
+    "launch", "multirank", "teacher_cache", "rollout", "cross_tokenizer", "sweep", "analysis", "hf_models",
+    "workers", "cli_run", "slurm_workers", "data_jobs", "gpu_check", "slurm_sweep", "bad_input")]
+
+
+def _file(item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+
+    def order(item):
+        name = SHARED.get(_file(item), _file(item))
+        return (name.startswith("tests/integration/"), rank.get(name, len(rank)))
+
+    items.sort(key=order)  # stable: within a group, collection order
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadFileScheduling
+
+    class ByFile(LoadFileScheduling):
+        """xdist's loadfile, with the SHARED files on their artefact's worker and the order above kept."""
+
+        def __init__(self, config, log=None):
+            super().__init__(config, log)
+            config.option.loadscopereorder = False  # xdist would put the files with the most tests first
+
+        def _split_scope(self, nodeid: str) -> str:
+            name = nodeid.split("::", 1)[0]
+            return SHARED.get(name, name)
+
+    return ByFile(config, log)

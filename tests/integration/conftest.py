@@ -1,3 +1,4 @@
+import fcntl
 import json
 import os
 import subprocess
@@ -36,6 +37,14 @@ def zoo_dirs():
     return {"teacher": zoo.model_dir("tiny-teacher"), "student": zoo.model_dir("tiny-student")}
 
 
+@pytest.fixture(scope="session")
+def other_teacher(zoo_dirs):
+    """The second embedded teacher (its build began in the background at the session's start: tests/conftest.py)."""
+    from kdsweep.models import zoo
+
+    return zoo.model_dir("tiny-teacher-other")
+
+
 REPO = Path(__file__).resolve().parents[2]
 SLURM_ROOT = Path(os.environ.get("KDSWEEP_SLURM_ROOT", "/tmp/kdsweep-slurm"))
 
@@ -43,7 +52,9 @@ SLURM_ROOT = Path(os.environ.get("KDSWEEP_SLURM_ROOT", "/tmp/kdsweep-slurm"))
 @pytest.fixture(scope="session")
 def slurm_cluster():
     """The real one-machine SLURM cluster of launchers/slurm, up (idempotently) for every test that asks."""
-    up = subprocess.run(["bash", str(REPO / "launchers/slurm/up.sh")], capture_output=True, text=True, timeout=600)
+    with open(f"{SLURM_ROOT}.up.lock", "w") as lock:  # the other xdist worker may be bringing it up right now
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        up = subprocess.run(["bash", str(REPO / "launchers/slurm/up.sh")], capture_output=True, text=True, timeout=600)
     assert up.returncode == 0, f"up.sh failed:\n{up.stdout}\n{up.stderr}"
     # SLURM_CONF and PATH (the sacct shim first) from env.sh, for this process and so for submitit's calls.
     env = subprocess.run(["bash", "-c", 'source "$1" && printf "%s\\n%s" "$SLURM_CONF" "$PATH"', "_",

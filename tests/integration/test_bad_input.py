@@ -9,7 +9,8 @@ from helpers import save_hf_model, word_tokenizer
 
 
 @pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
+def dirs(tmp_path_factory, zoo_dirs, other_teacher):
+    """The cases' files. The embedded models are built first: a case's job that built one would log it."""
     root = tmp_path_factory.mktemp("bad")
     (root / "empty.txt").write_text("\n\n")
     (root / "empty.jsonl").write_text("")

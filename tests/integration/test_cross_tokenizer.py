@@ -26,14 +26,6 @@ SHORT = ["train.max_steps=6", "train.eval_every=3", "data.batch_size=8", "data.m
          "checkpoint.save_every=0", "checkpoint.export_adapter=false", "checkpoint.export_merged=false", *QUIET]
 
 
-@pytest.fixture(scope="module")
-def other_teacher(zoo_dirs):
-    """The second embedded teacher (its build began in the background at the session's start: tests/conftest.py)."""
-    from kdsweep.models import zoo
-
-    return zoo.model_dir("tiny-teacher-other")
-
-
 def test_the_second_teacher_has_its_own_tokenizer_and_matches_it(other_teacher, zoo_dirs):
     from transformers import AutoConfig, AutoTokenizer
 
