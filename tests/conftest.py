@@ -42,15 +42,17 @@ def pytest_sessionfinish(session, exitstatus):
 
 # Which worker runs what. Each test file goes to one worker whole (its module fixtures are built once), and so
 # do the files that share one built artefact through helpers.once (a second worker would build it again).
-# Files are handed out in collection order: the unit and config tests first (while the zoo builds), then the
-# integration files, the longest first, so that the session does not end waiting on one long file.
+# Files are handed out in collection order: the unit and config tests first, then the integration files that
+# need no embedded model (while the zoo builds), then the others, the longest first, so that the session does
+# not end waiting on one long file.
 SHARED = {  # file -> the file whose artefact it reads
     "tests/integration/test_dashboard.py": "tests/integration/test_sweep.py",  # faults_sweep
     "tests/integration/test_storages.py": "tests/integration/test_teacher_cache.py",  # local_cache_sweep
     "tests/integration/test_slurm_jobs.py": "tests/integration/test_cli_run.py",  # smoke_run
 }
-LONGEST_FIRST = [f"tests/integration/test_{name}.py" for name in (  # CI's per-file times, the SHARED pairs summed
-    "launch", "multirank", "teacher_cache", "rollout", "cross_tokenizer", "sweep", "analysis", "hf_models",
+LONGEST_FIRST = [f"tests/integration/test_{name}.py" for name in (
+    "architectures", "slurm_cluster",  # no embedded model
+    "launch",  # then by CI's per-file times, the SHARED pairs summed "multirank", "teacher_cache", "rollout", "cross_tokenizer", "sweep", "analysis", "hf_models",
     "workers", "cli_run", "slurm_workers", "data_jobs", "gpu_check", "slurm_sweep", "bad_input")]
 
 

@@ -59,14 +59,20 @@ class LocalProcesses:
         self._env = {k: v for k, v in os.environ.items() if k != JOB_STARTED}  # each trial counts from its own start
         self._env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // max_concurrent)))
 
+    def env(self, alone: bool = False) -> dict[str, str]:
+        """A trial's environment: its share of the cores, or, for a trial running ``alone`` (the teacher pass
+        before the others start), every core for the pass and its share after it. OMP_NUM_THREADS, when the
+        user set it, is kept either way."""
+        env = {**self._env, STORAGE_ENV: os.environ[STORAGE_ENV]}
+        if alone and "OMP_NUM_THREADS" not in os.environ:
+            env.update(OMP_NUM_THREADS=str(len(os.sched_getaffinity(0))), **{SHARED_THREADS: env["OMP_NUM_THREADS"]})
+        return env
+
     def start(self, args: list[str], run_dir: Path, alone: bool = False) -> dict[str, Any]:
         run_dir.mkdir(parents=True, exist_ok=True)
-        env = {**self._env, STORAGE_ENV: os.environ[STORAGE_ENV]}
-        if alone and "OMP_NUM_THREADS" not in os.environ:  # the teacher pass gets every core; then the trial shares
-            env.update(OMP_NUM_THREADS=str(len(os.sched_getaffinity(0))), **{SHARED_THREADS: env["OMP_NUM_THREADS"]})
         with open(run_dir / "job.log", "ab") as out:
             proc = subprocess.Popen([sys.executable, "-m", "kdsweep", *args], stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True, env=env)
+                                    start_new_session=True, env=self.env(alone))
         self._procs[proc.pid] = proc
         return {"pid": proc.pid, "started": _proc_start(proc.pid), "logs": [str(run_dir / "job.log")]}
 

@@ -114,14 +114,22 @@ FUSED_OPTIONS = [[], ["dist=fsdp2_local"],
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory, zoo_dirs):
-    """The 1-rank SMALL job every 2-rank result must match, two 2-rank jobs of it, the dense-logits job and a fused
-    job for each of FUSED_OPTIONS: one multirun."""
+    """The 1-rank SMALL job every 2-rank result must match and two 2-rank jobs of it: one multirun."""
     root = tmp_path_factory.mktemp("small")
     proc, dirs = multirun(root, {
         "one_rank": [],
         "two": ["dist=fsdp2_local"],
         "options": ["dist=fsdp2_local", "dist.activation_checkpointing=true", "dist.cpu_offload=true",
                     "dist.reshard_after_forward=false"],
+    }, *SMALL)
+    return completed(proc), dirs
+
+
+@pytest.fixture(scope="module")
+def fused(tmp_path_factory, zoo_dirs):
+    """The SMALL job with dense logits and with the fused loss for each of FUSED_OPTIONS: one multirun."""
+    root = tmp_path_factory.mktemp("fused")
+    proc, dirs = multirun(root, {
         "dense": ["loss.impl=dense"],
         **{f"fused{i}": [*FUSED, *o] for i, o in enumerate(FUSED_OPTIONS)},
     }, *SMALL)
@@ -209,10 +217,10 @@ def test_kill_9_of_one_rank_then_rerun_resumes(one_rank, tmp_path):
 
 
 @pytest.mark.parametrize("options", FUSED_OPTIONS)
-def test_fused_loss_matches_dense(small, options):
+def test_fused_loss_matches_dense(fused, options):
     """loss.impl=fused (hidden states projected chunk by chunk by the LoRA output layers, FSDP-sharded on 2 ranks)
     trains exactly as the dense logits path on one rank."""
-    dirs = small[1]
+    dirs = fused[1]
     assert_same_run(dirs["dense"], dirs[f"fused{FUSED_OPTIONS.index(options)}"])
 
 

@@ -107,3 +107,28 @@ def test_range_mistakes_and_grid_over_a_range():
         parse_space({"train.max_steps": "range(100,20,-20)"})
     (p,) = parse_space({"train.max_steps": "range(20,100,20)"})
     assert p.values() == [20, 40, 60, 80]
+
+
+def test_concurrent_trials_share_the_cores_and_a_trial_alone_gets_them_all_unless_the_user_chose(monkeypatch):
+    """The test session sets OMP_NUM_THREADS (tests/conftest.py), so the jobs the integration tests start take the
+    user's-choice branch; this is the default one."""
+    from kdsweep.metrics.records import SHARED_THREADS
+    from kdsweep.sweep.workers import LocalStarter
+
+    cores = len(os.sched_getaffinity(0))
+    share = str(max(1, cores // 2))
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setenv(STORAGE_ENV, "sqlite:///study.db")
+    trials = LocalProcesses(max_concurrent=2)
+    assert trials.env()["OMP_NUM_THREADS"] == share and SHARED_THREADS not in trials.env()
+    alone = trials.env(alone=True)  # the teacher pass on every core, then the trial on its share
+    assert (alone["OMP_NUM_THREADS"], alone[SHARED_THREADS], alone[STORAGE_ENV]) == (str(cores), share, "sqlite:///study.db")
+    workers = LocalStarter(size=2)
+    assert (workers.threads, workers.all_cores, workers._env["OMP_NUM_THREADS"]) == (int(share), cores, share)
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice holds, alone or not
+    trials = LocalProcesses(max_concurrent=2)
+    assert trials.env()["OMP_NUM_THREADS"] == trials.env(alone=True)["OMP_NUM_THREADS"] == "3"
+    assert SHARED_THREADS not in trials.env(alone=True)
+    workers = LocalStarter(size=2)
+    assert workers.all_cores is None and workers._env["OMP_NUM_THREADS"] == "3"
