@@ -233,10 +233,15 @@ def idle_device_seconds(sweep_dir: Path) -> float:
 
 def worker_lines(sweep_dir: Path) -> list[str]:
     """``kdsweep status``: each worker, its job, the trials it ran, what it runs now and how long it sat idle."""
+    trials = (read_json(sweep_dir / "sweep.json") or {}).get("trials", {})
     lines = []
     for w in worker_states(sweep_dir):
         job = f"slurm {w['slurm']['job_id']}" if w.get("slurm") else f"pid {w['pid']}" if w.get("pid") else "-"
-        now = f"running trial {w['trial']}" if w.get("state") == "busy" else w.get("state", "?")
+        now = w.get("state", "?")
+        if now == "busy":  # a worker killed mid-trial still says so: its trial has since gone to another, or ended
+            entry = trials.get(str(w.get("trial")), {})
+            ours = entry.get("state") == "RUNNING" and (entry.get("job") or {}).get("worker") == w["name"]
+            now = f"running trial {w['trial']}" if ours else f"gone while it ran trial {w['trial']}"
         lines.append(f"worker {w['name']} ({job}, {w.get('ranks', 1)} rank(s)): {w.get('trials_run', 0)} trials run, "
                      f"{now}, idle {w.get('idle_s', 0.0):.1f} s")
     return lines

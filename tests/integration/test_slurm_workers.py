@@ -102,5 +102,10 @@ def test_six_trials_on_two_worker_jobs_and_a_requeued_or_warned_workers_trial_re
     assert 4 <= record["start_step"] < 12 and record["start_step"] % 4 == 0, record["start_step"]
     assert [r["step"] for r in read_metrics(sweep_dir / "2") if r["kind"] == "train"] == list(range(1, 13))
     assert record["objective"] == pytest.approx(read_run(reference)["objective"], abs=1e-5)
+    # each worker beside its own job (trial 0's retry may have gone to either requeued worker), the killed one gone
     status = kdsweep("status", str(sweep_dir), cwd=tmp_path).stdout
-    assert f"worker {worker} (slurm {jobs['0']}" in status
+    job_of = {p.parent.name: json.loads(p.read_text())["slurm_job_id"] for p in (sweep_dir / "workers").glob("*/launch.json")}
+    assert f"worker {worker} (slurm {job_of[worker]}, 2 rank(s))" in status
+    assert f"worker {killed['name']} (slurm {jobs['2']}, 2 rank(s))" in status
+    (gone,) = [line for line in status.splitlines() if line.startswith(f"worker {killed['name']} ")]
+    assert "gone while it ran trial 2" in gone, status
