@@ -238,10 +238,9 @@ def worker_lines(sweep_dir: Path) -> list[str]:
     for w in worker_states(sweep_dir):
         job = f"slurm {w['slurm']['job_id']}" if w.get("slurm") else f"pid {w['pid']}" if w.get("pid") else "-"
         now = w.get("state", "?")
-        if now == "busy":  # a worker killed mid-trial still says so: its trial has since gone to another, or ended
-            entry = trials.get(str(w.get("trial")), {})
-            ours = entry.get("state") == "RUNNING" and (entry.get("job") or {}).get("worker") == w["name"]
-            now = f"running trial {w['trial']}" if ours else f"gone while it ran trial {w['trial']}"
+        if now == "busy":  # a worker killed mid-trial still says so, once its trial has gone to another
+            moved = (trials.get(str(w.get("trial")), {}).get("job") or {}).get("worker") not in (None, w["name"])
+            now = f"gone while it ran trial {w['trial']}" if moved else f"running trial {w['trial']}"
         lines.append(f"worker {w['name']} ({job}, {w.get('ranks', 1)} rank(s)): {w.get('trials_run', 0)} trials run, "
                      f"{now}, idle {w.get('idle_s', 0.0):.1f} s")
     return lines

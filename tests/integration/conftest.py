@@ -55,10 +55,11 @@ def slurm_cluster():
     with open(f"{SLURM_ROOT}.up.lock", "w") as lock:  # the other xdist worker may be bringing it up right now
         fcntl.flock(lock, fcntl.LOCK_EX)
         up = subprocess.run(["bash", str(REPO / "launchers/slurm/up.sh")], capture_output=True, text=True, timeout=600)
-    assert up.returncode == 0, f"up.sh failed:\n{up.stdout}\n{up.stderr}"
-    # SLURM_CONF and PATH (the sacct shim first) from env.sh, for this process and so for submitit's calls.
-    env = subprocess.run(["bash", "-c", 'source "$1" && printf "%s\\n%s" "$SLURM_CONF" "$PATH"', "_",
-                          str(SLURM_ROOT / "env.sh")], capture_output=True, text=True, check=True).stdout
+        assert up.returncode == 0, f"up.sh failed:\n{up.stdout}\n{up.stderr}"
+        # SLURM_CONF and PATH (the sacct shim first) from env.sh (up.sh rewrites it), for this process and so for
+        # submitit's calls.
+        env = subprocess.run(["bash", "-c", 'source "$1" && printf "%s\\n%s" "$SLURM_CONF" "$PATH"', "_",
+                              str(SLURM_ROOT / "env.sh")], capture_output=True, text=True, check=True).stdout
     conf, path = env.split("\n", 1)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SLURM_CONF", conf)

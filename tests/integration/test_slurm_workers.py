@@ -64,7 +64,6 @@ def test_six_trials_on_two_worker_jobs_and_a_requeued_or_warned_workers_trial_re
                 time.sleep(0.3)
             jobs[trial] = read_run(sweep_dir / trial)["environment"]["slurm"]["job_id"]
             hit(jobs[trial]) if callable(hit) else subprocess.run([*hit, jobs[trial]], check=True)
-        worker = manifest(sweep_dir)["trials"]["0"]["job"]["worker"]
         out, _ = proc.communicate(timeout=600)
         reference_done.result()
     assert proc.returncode == 0, out[-3000:]
@@ -103,6 +102,7 @@ def test_six_trials_on_two_worker_jobs_and_a_requeued_or_warned_workers_trial_re
     assert [r["step"] for r in read_metrics(sweep_dir / "2") if r["kind"] == "train"] == list(range(1, 13))
     assert record["objective"] == pytest.approx(read_run(reference)["objective"], abs=1e-5)
     # each worker beside its own job (trial 0's retry may have gone to either requeued worker), the killed one gone
+    worker = entries["0"]["job"]["worker"]
     status = kdsweep("status", str(sweep_dir), cwd=tmp_path).stdout
     job_of = {p.parent.name: json.loads(p.read_text())["slurm_job_id"] for p in (sweep_dir / "workers").glob("*/launch.json")}
     assert f"worker {worker} (slurm {job_of[worker]}, 2 rank(s))" in status
