@@ -57,15 +57,17 @@ LONGEST_FIRST = [f"tests/integration/test_{name}.py" for name in (
     "workers", "cli_run", "slurm_workers", "data_jobs", "gpu_check", "slurm_sweep", "bad_input")]
 
 
-def _file(item) -> str:
-    return item.nodeid.split("::", 1)[0]
+def _group(nodeid: str) -> str:
+    """The file a test belongs to, or the one whose artefact its file reads (SHARED)."""
+    name = nodeid.split("::", 1)[0]
+    return SHARED.get(name, name)
 
 
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
 
     def order(item):
-        name = SHARED.get(_file(item), _file(item))
+        name = _group(item.nodeid)
         return (name.startswith("tests/integration/"), rank.get(name, len(rank)))
 
     items.sort(key=order)  # stable: within a group, collection order
@@ -83,7 +85,6 @@ def pytest_xdist_make_scheduler(config, log):
             config.option.loadscopereorder = False  # xdist would put the files with the most tests first
 
         def _split_scope(self, nodeid: str) -> str:
-            name = nodeid.split("::", 1)[0]
-            return SHARED.get(name, name)
+            return _group(nodeid)
 
     return ByFile(config, log)

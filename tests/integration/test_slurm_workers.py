@@ -73,7 +73,8 @@ def test_six_trials_on_two_worker_jobs_and_a_requeued_or_warned_workers_trial_re
     # every job of this sweep (its names end with the sweep's tag): worker jobs only, no trial's own job; the one
     # whose rank was killed FAILED (a replacement may have been started for it), the others left when it was over
     workers = jobs_named("-" + hashlib.sha1(str(sweep_dir.resolve()).encode()).hexdigest()[:8])
-    launched = {json.loads(p.read_text())["slurm_job_id"] for p in (sweep_dir / "workers").glob("*/launch.json")}
+    job_of = {p.parent.name: json.loads(p.read_text())["slurm_job_id"] for p in (sweep_dir / "workers").glob("*/launch.json")}
+    launched = set(job_of.values())
     assert set(workers) == launched and len(launched) in (2, 3), workers
     assert workers.pop(jobs["2"]) == "FAILED" and set(workers.values()) == {"COMPLETED"}, workers
     entries = manifest(sweep_dir)["trials"]
@@ -104,7 +105,6 @@ def test_six_trials_on_two_worker_jobs_and_a_requeued_or_warned_workers_trial_re
     # each worker beside its own job (trial 0's retry may have gone to either requeued worker), the killed one gone
     worker = entries["0"]["job"]["worker"]
     status = kdsweep("status", str(sweep_dir), cwd=tmp_path).stdout
-    job_of = {p.parent.name: json.loads(p.read_text())["slurm_job_id"] for p in (sweep_dir / "workers").glob("*/launch.json")}
     assert f"worker {worker} (slurm {job_of[worker]}, 2 rank(s))" in status
     assert f"worker {killed['name']} (slurm {jobs['2']}, 2 rank(s))" in status
     (gone,) = [line for line in status.splitlines() if line.startswith(f"worker {killed['name']} ")]
