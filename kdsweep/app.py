@@ -21,6 +21,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from kdsweep.config import ConfigError, RunConfig, to_run_config
 from kdsweep.config.convert import check_key
+from kdsweep.config.schema import RanksFailed
 
 log = logging.getLogger("kdsweep")
 
@@ -130,6 +131,7 @@ def run_rank(run_cfg: RunConfig, raw: dict[str, Any], overrides: list[str]) -> d
     """One rank of a job (all of it, for one rank): join the process group, train, return rank 0's summary."""
     import dataclasses
 
+    from kdsweep.distributed import failure
     from kdsweep.distributed.rendezvous import check_shared
     from kdsweep.distributed.signals import PreemptionWatch
     from kdsweep.train import NULL_REPORTER, run
@@ -148,10 +150,15 @@ def run_rank(run_cfg: RunConfig, raw: dict[str, Any], overrides: list[str]) -> d
             run_cfg = dataclasses.replace(run_cfg, output_dir=output_dir)
             raw = {**raw, "output_dir": output_dir}
         handler = _setup_rank_logging(output_dir, env.rank)
+        failure.clear(Path(output_dir), env.rank)
         try:
             check_shared(env, shared_dirs(run_cfg))
             result = run(run_cfg, dist=env, reporter=reporter, preemption=watch, resolved_config=raw,
                          overrides=overrides, kept=SESSION.kept())
+        except BaseException as e:
+            if env.world_size > 1:  # peers may wait in a collective: no agreeing with them, the launcher ends them
+                failure.end_rank(Path(output_dir), env.rank, e, run_cfg.dist.timeout_s, speak=env.source != "local")
+            raise
         finally:  # a worker's next trial logs to its own files
             logging.getLogger().removeHandler(handler)
             handler.close()
@@ -207,7 +214,7 @@ def _launch(run_cfg: RunConfig, raw: dict[str, Any], overrides: list[str]) -> di
     run_cfg.check_world_size(run_cfg.dist.nproc_per_node if spawn_local else env.world_size)
     if spawn_local:
         prepare_data(run_cfg)
-        return spawn(run_rank, (run_cfg, raw, overrides), run_cfg.dist)
+        return spawn(run_rank, (run_cfg, raw, overrides), run_cfg.dist, Path(run_cfg.output_dir))
     return run_rank(run_cfg, raw, overrides)
 
 
@@ -244,6 +251,9 @@ def job(cfg: DictConfig) -> float:
         summary = _launch(validate(raw), raw, overrides)
     except ConfigError as e:
         fail(str(e), output_dir)
+    except RanksFailed as e:  # the ranks' records say it, and their tracebacks are in their logs
+        print(f"kdsweep: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2 if e.config_error else 1) from None
     except Exception:
         # Hydra's multirun would record the failure and return normally, so SLURM would show the job as
         # COMPLETED: leave with a non-zero status instead (the traceback goes to the log first).

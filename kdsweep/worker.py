@@ -152,25 +152,27 @@ class Worker:
             self.trials_run += 1
             self.idle_since = time.time()
             self.state("idle", ready=True, last_trial=task["trial"])
-            self.agree_after_trial()
+            # a refusal (exit 2) comes before any collective of the trial, on every rank alike: the worker goes on.
+            # Any other failure may have left a peer inside a collective (a rank that failed inside the trial's
+            # process group has already ended its process: distributed.failure)
+            if code not in (0, 2) and self.env.world_size > 1:
+                self.end_after_failure(task, code)
         self.idle_s += time.time() - self.idle_since  # from its last trial until it left
         self.state("left", ready=True)
 
-    def agree_after_trial(self) -> None:
-        """A trial that failed on one rank only may have left a peer inside a collective: every rank must reach
-        this point within the dist timeout, or the worker leaves (its pool starts another)."""
-        if self.env.world_size == 1:
-            return
-        import datetime
+    def end_after_failure(self, task: dict[str, Any], code: int) -> None:
+        """A trial failed on this rank: a peer may be inside a collective of it, so nothing is agreed with them (no
+        barrier: under NCCL it could pair with a collective a peer still has pending). This rank leaves at once;
+        the worker's launcher ends the others, and the pool starts another worker (a rank lost mid-trial is the
+        worker's fault: the controller retries the trial, from its checkpoint, as an attempt)."""
+        from kdsweep.distributed import comm
 
-        import torch.distributed as dist
-
-        timeout = datetime.timedelta(seconds=self.spec.get("timeout_s", 600))
-        try:  # gloo names a rank that does not arrive; NCCL's barrier ends at the group's own timeout
-            dist.monitored_barrier(timeout=timeout) if dist.get_backend() == "gloo" else dist.barrier()
-        except RuntimeError as e:
-            log.error("worker %s: the ranks fell out of step after a trial (%s): leaving", self.name, e)
-            self.leave = True
+        comm.mark_failed(f"trial {task['trial']} exited {code} on rank {self.env.rank}")
+        log.error("worker %s: trial %s failed on rank %d (exit %s): this worker leaves without agreeing with its other "
+                  "ranks", self.name, task["trial"], self.env.rank, code)
+        self.state("left", ready=True, last_trial=task["trial"])
+        logging.shutdown()
+        os._exit(1)
 
     def run(self, task: dict[str, Any]) -> int:
         """Run one trial as its job would; return the exit code that job would have left."""
@@ -245,13 +247,16 @@ def serve(sweep_dir: str, name: str) -> None:
 def main() -> None:
     """``python -m kdsweep.worker SWEEP_DIR NAME``: a worker that cannot start (no such device, ...) says why in one
     line, which the controller repeats when no worker of its pool could start."""
-    from kdsweep.config.schema import ConfigError
+    from kdsweep.config.schema import ConfigError, RanksFailed
 
     try:
         _main()
     except ConfigError as e:
         print(f"kdsweep: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+    except RanksFailed as e:  # a rank left after a failed trial: the trial's own records say why
+        print(f"kdsweep: worker ended: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
 
 
 def _main() -> None:

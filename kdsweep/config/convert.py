@@ -18,6 +18,16 @@ LISTS = ("teachers",)
 """Top-level keys of the run config that are neither a group nor a knob: set whole (``teachers=[...]``)."""
 # Keys the Hydra app adds beside the run config; they are not part of it.
 IGNORED_KEYS = ("hydra",)
+REMOVED = {
+    "dist.mixed_precision": "train.dtype=bf16 is bf16 compute with fp32 master weights, on one rank and on many "
+                            "(pass train.dtype=bf16; bf16_pure for bf16 weights)",
+}
+"""Keys that were removed: what to pass instead."""
+
+
+def _removed(key: str) -> None:
+    if key in REMOVED:
+        raise ConfigError(f"{key} was removed: {REMOVED[key]}")
 
 
 def to_run_config(raw: dict[str, Any]) -> RunConfig:
@@ -41,6 +51,8 @@ def _build(cls: type, values: Any, prefix: str) -> Any:
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - set(fields))
+    for name in unknown:
+        _removed(f"{prefix}{name}")
     if unknown:
         known = ", ".join(sorted(fields))
         raise ConfigError(f"unknown config key '{prefix}{unknown[0]}'; valid keys of {where}: {known}")
@@ -92,6 +104,7 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
 
 def check_key(key: str, groups: tuple[str, ...]) -> None:
     """Raise a ConfigError when a dotted command-line key names no field (``train.foo``, ``lr_rate``)."""
+    _removed(key)
     head, *rest = key.split(".")
     if head in groups and not rest:
         return  # a group choice such as model=tiny

@@ -14,6 +14,15 @@ class ConfigError(ValueError):
     """A user error in the configuration: one line naming the field and the fix."""
 
 
+class RanksFailed(RuntimeError):
+    """A rank of a job of several failed and its peers were ended: the message is the job's one line (from the
+    ranks' failure records, ``distributed.failure``); ``config_error`` when it was bad input (exit code 2)."""
+
+    def __init__(self, line: str, config_error: bool = False) -> None:
+        super().__init__(line)
+        self.config_error = config_error
+
+
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
@@ -23,7 +32,9 @@ ZOO_NAMES = ("tiny-teacher", "tiny-student", "tiny-teacher-other")
 DIVERGENCES = ("forward_kl",)
 SCHEDULES = ("cosine", "linear", "constant")
 DEVICES = ("auto", "cpu", "cuda")
-DTYPES = ("fp32", "bf16")
+DTYPES = ("fp32", "bf16", "bf16_pure")
+TEACHER_PLACEMENTS = ("auto", "replicate", "node", "world")
+STUDENT_MESHES = ("fsdp", "hsdp")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -393,7 +404,14 @@ class TrainConfig:
     device: str = "auto"
     """auto (cuda when available, else cpu), cpu or cuda."""
     dtype: str = "fp32"
-    """Parameter and compute dtype: fp32 or bf16 (fp16 has no loss scaling here and is refused)."""
+    """Precision. ``fp32``: everything in fp32. ``bf16``: bf16 compute with fp32 master weights, fp32 gradients
+    and fp32 AdamW state for every trainable parameter (full fine-tune and LoRA alike; on one rank through autocast,
+    on many through FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``), frozen weights (the
+    teacher, a LoRA student's base) in bf16 with no fp32 copy. ``bf16_pure``: trainable weights and optimizer state
+    in bf16 too (updates below bf16's resolution, ~0.4% of a weight, are lost: warned for a full fine-tune). fp16 has
+    no loss scaling here and is refused."""
+    tf32: bool = True
+    """TF32 tensor cores for fp32 matmuls on CUDA (Ampere and later); no effect on CPU."""
     threads: int = 0
     """torch intra-op threads on CPU; 0 keeps torch's default."""
 
@@ -404,7 +422,8 @@ class TrainConfig:
         _check(self.device in DEVICES, f"train.device={self.device!r} is unknown; use one of {', '.join(DEVICES)}")
         _check(
             self.dtype in DTYPES,
-            f"train.dtype={self.dtype!r} is not supported; use fp32 or bf16 (fp16 needs loss scaling kdsweep does not do)",
+            f"train.dtype={self.dtype!r} is not supported; use fp32, bf16 (bf16 compute, fp32 master weights) or "
+            "bf16_pure (fp16 needs loss scaling kdsweep does not do)",
         )
         _check(self.threads >= 0, f"train.threads={self.threads} must be >= 0")
 
@@ -494,8 +513,23 @@ class DistConfig:
     """Rendezvous port of locally spawned ranks; 0 picks a free one."""
     reshard_after_forward: bool = True
     """Free gathered parameters after each forward (FSDP2 FULL_SHARD); false keeps them until backward (SHARD_GRAD_OP)."""
-    mixed_precision: bool = False
-    """FSDP2 mixed precision: bf16 compute and all-gathers, fp32 gradient reduction and master weights."""
+    teacher_placement: str = "auto"
+    """Where each frozen teacher's weights live on several ranks. ``replicate``: a whole copy on every rank (no
+    collective for the teacher in a step). ``node``: sharded within each node, replicated across nodes (a 2-D
+    device mesh: its all-gathers never leave the node). ``world``: sharded over every rank (each micro-batch
+    all-gathers the whole teacher across the job). ``auto``: ``replicate`` when the teacher's weights in their dtype,
+    beside the student's share and the teachers already replicated, fit ``1 - memory_headroom`` of the rank's
+    ``device_memory_gb``, else ``node``. The teacher cache's build places its teacher the same way."""
+    student_mesh: str = "fsdp"
+    """How the student is sharded on several ranks: ``fsdp`` over every rank, or ``hsdp`` within each node and
+    replicated across nodes (gradients reduce-scattered in the node, then all-reduced across nodes), as torchtitan
+    does for multi-node data parallelism. With one node both are the same."""
+    device_memory_gb: float = 0.0
+    """The memory budget of one rank's device that ``teacher_placement=auto`` plans against, in GB (1e9 bytes);
+    0 = the device's own (a GPU's total memory; on CPU the host's memory divided by its local ranks)."""
+    memory_headroom: float = 0.25
+    """Share of ``device_memory_gb`` kept free of weights and optimizer state for activations, the loss's chunk
+    buffers and the allocator, when ``teacher_placement=auto`` decides."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of storing them."""
     cpu_offload: bool = False
@@ -510,6 +544,14 @@ class DistConfig:
         _check(0 <= self.master_port < 65536, f"dist.master_port={self.master_port} must be in [0, 65535] (0 = any free port)")
         _check(bool(self.master_addr), "dist.master_addr is empty; pass dist.master_addr=127.0.0.1 for local ranks")
         _check(self.timeout_s > 0, f"dist.timeout_s={self.timeout_s} must be > 0")
+        _check(self.teacher_placement in TEACHER_PLACEMENTS, f"dist.teacher_placement={self.teacher_placement!r} is "
+               f"unknown; use one of {', '.join(TEACHER_PLACEMENTS)}")
+        _check(self.student_mesh in STUDENT_MESHES, f"dist.student_mesh={self.student_mesh!r} is unknown; use one "
+               f"of {', '.join(STUDENT_MESHES)}")
+        _check(self.device_memory_gb >= 0, f"dist.device_memory_gb={self.device_memory_gb} must be >= 0 "
+               "(0 = the device's own memory)")
+        _check(0 <= self.memory_headroom < 1, f"dist.memory_headroom={self.memory_headroom} must be in [0, 1); "
+               "pass dist.memory_headroom=0.25")
 
 
 @dataclass(frozen=True, kw_only=True)

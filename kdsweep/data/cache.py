@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
+
+log = logging.getLogger(__name__)
 
 
 def kdsweep_cache() -> Path:
@@ -23,13 +27,40 @@ def kdsweep_cache() -> Path:
     return Path(os.environ.get("KDSWEEP_CACHE", Path.home() / ".cache" / "kdsweep"))
 
 
+SAY_EVERY_S = float(os.environ.get("KDSWEEP_WAIT_SAY_S") or 60.0)
+"""How often a job waiting for another job's build says so in its log (``KDSWEEP_WAIT_SAY_S``, default a minute)."""
+
+
+def _wait_for_lock(lock: Any, what: str) -> None:
+    """Take the exclusive lock, saying every minute (``what``: what the holder builds) while another job holds it."""
+    began = time.time()
+    last = began
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if time.time() - began >= SAY_EVERY_S:
+                log.info("%s: the other job's build is over after %.0f s of waiting", what, time.time() - began)
+            return
+        except BlockingIOError:
+            pass
+        now = time.time()
+        if now - last >= SAY_EVERY_S:
+            last = now
+            log.info("%s: another job is building it (it holds %s); waited %.0f s so far", what, lock.name, now - began)
+        time.sleep(0.5)
+
+
 @contextlib.contextmanager
-def built_once(root: Path, name: str) -> Iterator[tuple[Path, Path | None]]:
-    """Yield (final dir, temp dir to fill or None when already built); the temp dir is renamed on success."""
+def built_once(root: Path, name: str, what: str | None = None) -> Iterator[tuple[Path, Path | None]]:
+    """Yield (final dir, temp dir to fill or None when already built); the temp dir is renamed on success. ``what``
+    names the artefact in the log lines said every minute while another job builds it."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / name
     with open(root / f".{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another job building the same artefact: wait for it
+        if what is None:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another job building the same artefact: wait for it
+        else:
+            _wait_for_lock(lock, what)
         if final.is_dir():
             yield final, None
             return

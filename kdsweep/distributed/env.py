@@ -24,6 +24,9 @@ import torch.distributed as dist
 
 LOCAL_RANKS = "KDSWEEP_LOCAL_RANKS"
 """Set in the ranks kdsweep spawns itself (``dist.nproc_per_node``), which torch's launcher starts like torchrun's."""
+RANKS_PER_NODE = "KDSWEEP_TEST_RANKS_PER_NODE"
+"""For tests: the ranks kdsweep spawns on this one machine count as nodes of this many ranks each (rank // n is its
+node), so node-level placement runs its real 2-D mesh and collectives without a second machine."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,19 @@ class DistEnv:
     master_port: int = 29500
     source: str = "single"
     """Where the layout came from: single, local (ranks kdsweep spawned for dist.nproc_per_node), torchrun or slurm."""
+    local_world_size: int = 1
+    """Ranks on this rank's node (the same on every node: launchers start as many per node)."""
+
+    @property
+    def nodes(self) -> int:
+        """Nodes of the job (ranks over ranks per node; one when the ranks do not split evenly)."""
+        per = self.local_world_size
+        return self.world_size // per if per >= 1 and self.world_size % per == 0 else 1
+
+    @property
+    def node(self) -> int:
+        """This rank's node (ranks are laid out node by node, as torchrun and SLURM's block distribution do)."""
+        return self.rank // self.local_world_size if self.nodes > 1 else 0
 
     @property
     def is_main(self) -> bool:
@@ -96,7 +112,8 @@ def single_process() -> DistEnv:
 
 
 def _collective_device() -> torch.device:
-    if dist.get_backend() == "nccl":
+    """Where small reduction tensors go: the GPU under NCCL (its group may also hold gloo for host tensors)."""
+    if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -156,10 +173,15 @@ def detect(environ: Mapping[str, str] | None = None) -> DistEnv:
     """The rank layout from torchrun's variables, else SLURM's, else one rank."""
     env = os.environ if environ is None else environ
     if "RANK" in env and "WORLD_SIZE" in env:
+        world = int(env["WORLD_SIZE"])
+        local = "local" if env.get(LOCAL_RANKS) else "torchrun"
+        per_node = int(env.get("LOCAL_WORLD_SIZE") or world)
+        if local == "local" and env.get(RANKS_PER_NODE):
+            per_node = int(env[RANKS_PER_NODE])
         return DistEnv(
-            rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]), local_rank=int(env.get("LOCAL_RANK", 0)),
+            rank=int(env["RANK"]), world_size=world, local_rank=int(env.get("LOCAL_RANK", 0)),
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=int(env.get("MASTER_PORT", 29500)),
-            source="local" if env.get(LOCAL_RANKS) else "torchrun",
+            source=local, local_world_size=per_node,
         )
     tasks = int(env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or 1)
     if "SLURM_JOB_ID" in env and "SLURM_STEP_ID" not in env and tasks > 1:
@@ -177,9 +199,20 @@ def detect(environ: Mapping[str, str] | None = None) -> DistEnv:
         return DistEnv(
             rank=int(env["SLURM_PROCID"]), world_size=tasks, local_rank=int(env.get("SLURM_LOCALID", 0)),
             master_addr=first_slurm_host(nodes), master_port=slurm_master_port(job, env.get("SLURM_STEP_ID", "0")),
-            source="slurm",
+            source="slurm", local_world_size=slurm_tasks_per_node(env, tasks),
         )
     return DistEnv()
+
+
+def slurm_tasks_per_node(env: Mapping[str, str], tasks: int) -> int:
+    """The tasks on each node of a SLURM step: ``SLURM_STEP_TASKS_PER_NODE`` (``8(x2)``, or ``8,8``: the first
+    node's count), else ``SLURM_NTASKS_PER_NODE``, else the tasks over the step's nodes."""
+    for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"):
+        m = re.match(r"^(\d+)", env.get(name, ""))
+        if m:
+            return int(m[1])
+    nodes = int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or env.get("SLURM_JOB_NUM_NODES") or 1)
+    return max(tasks // max(nodes, 1), 1)
 
 
 def device_for(name: str, env: DistEnv) -> torch.device:
@@ -209,12 +242,17 @@ def cuda_index(local_rank: int, visible: int) -> int:
 
 
 def backend_for(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
+    """gloo on CPU; on GPUs NCCL for device tensors and gloo beside it for host ones (an offloaded model's gradients
+    and their norm, buffers kept on the host), as torchtitan does."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
 @contextlib.contextmanager
 def process_group(env: DistEnv, device: torch.device, timeout_s: float = 600) -> Iterator[DistEnv]:
-    """Join the job's process group for the duration of the block (nothing to do for one rank)."""
+    """Join the job's process group for the duration of the block (nothing to do for one rank). Every collective
+    of the block is counted (:mod:`kdsweep.distributed.comm`)."""
+    from kdsweep.distributed import comm, placement, waits
+
     if env.world_size == 1:
         yield env
         return
@@ -222,13 +260,19 @@ def process_group(env: DistEnv, device: torch.device, timeout_s: float = 600) ->
         RANK=str(env.rank), WORLD_SIZE=str(env.world_size), LOCAL_RANK=str(env.local_rank),
         MASTER_ADDR=env.master_addr, MASTER_PORT=str(env.master_port),
     )
+    kw: dict[str, Any] = {}
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend_for(device), timeout=datetime.timedelta(seconds=timeout_s))
+        kw["device_id"] = device  # NCCL binds the rank's GPU now, not at its first collective
+    dist.init_process_group(backend_for(device), timeout=datetime.timedelta(seconds=timeout_s), **kw)
+    comm.install(env.local_world_size if env.nodes > 1 else env.world_size, env.rank)
+    waits.begin(env)
     try:
         yield env
         dist.barrier()  # a rank that is done does not close its connections while a peer still uses them
+        waits.end(env)  # (after a failure they stay: a peer may still be reading rank 0's last word)
     finally:
+        placement.forget_meshes()
         # FSDP2-sharded models hold the group through their device mesh, often in reference cycles: collected
         # now, the group's threads and sockets end here, not at interpreter exit in whatever order finalisers run
         gc.collect()

@@ -8,6 +8,8 @@ and buffers (which no state dict holds in full) by broadcasting rank 0's, so onl
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
@@ -34,12 +36,13 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def shard(model: nn.Module, cfg: DistConfig) -> nn.Module:
-    """Apply ``fully_shard`` per decoder layer, to an untied output projection, and at the root (in place)."""
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.mixed_precision else MixedPrecisionPolicy()
+def shard(model: nn.Module, cfg: DistConfig, mesh: Any = None, mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
+    """Apply ``fully_shard`` per decoder layer, to an untied output projection, and at the root (in place), over
+    ``mesh`` (None: every rank; a 2-D ``(replicate, shard)`` mesh: HSDP) with ``mp_policy``."""
     kw = {
+        "mesh": mesh,
         "reshard_after_forward": cfg.reshard_after_forward,
-        "mp_policy": mp,
+        "mp_policy": mp_policy or MixedPrecisionPolicy(),
         # pinned host memory needs an accelerator; on a CPU-only machine offloading is a plain copy
         "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cfg.cpu_offload else OffloadPolicy(),
     }
@@ -51,6 +54,25 @@ def shard(model: nn.Module, cfg: DistConfig) -> nn.Module:
         fully_shard(out, **kw)
     fully_shard(model, **kw)
     return model
+
+
+def broadcast_whole(model: nn.Module, source: nn.Module | None) -> None:
+    """Give an unsharded (``to_empty``-ed) ``model`` on every rank rank 0's ``source`` weights and buffers, all of
+    them (None on other ranks): a replicated model. A collective: every rank calls it."""
+    import torch.distributed as dist
+
+    hf_model(model).tie_weights()  # to_empty gave each side of a tied pair its own tensor: tied again, as loaded
+    mine = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    if source is not None:
+        given = {**dict(source.named_parameters()), **dict(source.named_buffers())}
+        if set(given) != set(mine):
+            raise ValueError(f"the replicated model's tensors differ from the loaded model's: "
+                             f"{sorted(set(given) ^ set(mine))[:4]}")
+    with torch.no_grad():
+        for name, t in mine.items():
+            if source is not None:
+                t.copy_(given[name].to(device=t.device, dtype=t.dtype))
+            dist.broadcast(t, src=0)
 
 
 def load_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor]) -> None:
@@ -82,9 +104,5 @@ def broadcast_buffers(model: nn.Module, source: nn.Module | None) -> None:
                              f"{sorted(set(given) ^ set(buffers))[:4]}")
         for name, buf in buffers.items():
             buf.copy_(given[name].to(device=buf.device, dtype=buf.dtype))
-    on_gpu = dist.get_backend() == "nccl"  # NCCL moves GPU memory only (offloaded models keep buffers on the host)
-    for buf in buffers.values():
-        wire = buf.cuda() if on_gpu and buf.device.type != "cuda" else buf
-        dist.broadcast(wire, src=0)
-        if wire is not buf:
-            buf.copy_(wire)
+    for buf in buffers.values():  # a host buffer (offloaded model) goes over gloo: a GPU group holds both
+        dist.broadcast(buf, src=0)

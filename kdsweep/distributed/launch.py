@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import uuid
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from kdsweep.config.schema import ConfigError, DistConfig
-from kdsweep.distributed.env import LOCAL_RANKS
+from kdsweep.config.schema import ConfigError, DistConfig, RanksFailed
+from kdsweep.distributed.env import LOCAL_RANKS, RANKS_PER_NODE
 
 
 def available_devices(device: torch.device) -> tuple[int, str]:
@@ -23,7 +25,8 @@ def available_devices(device: torch.device) -> tuple[int, str]:
 def check_local_launch(cfg: DistConfig, device: torch.device) -> None:
     """One line for the ways a local multi-rank launch would fail after starting."""
     have, what = available_devices(device)
-    if cfg.nproc_per_node > have:
+    per_node = int(os.environ.get(RANKS_PER_NODE) or cfg.nproc_per_node)  # simulated nodes: each must fit
+    if min(per_node, cfg.nproc_per_node) > have:
         raise ConfigError(
             f"dist.nproc_per_node={cfg.nproc_per_node} but this machine has {have} {what}; "
             f"pass dist.nproc_per_node=<at most {have}>"
@@ -55,12 +58,16 @@ def _free_port(addr: str) -> int:
         return s.getsockname()[1]
 
 
-def spawn(fn: Callable[..., Any], args: tuple, cfg: DistConfig) -> Any:
+def spawn(fn: Callable[..., Any], args: tuple, cfg: DistConfig, run_dir: Path | None = None) -> Any:
     """Run ``fn(*args)`` in ``cfg.nproc_per_node`` local ranks (RANK, WORLD_SIZE, ... set); rank 0's return value.
 
-    If any rank fails, the others are stopped and the launch raises (the job fails, it does not hang).
+    If any rank fails, the others are stopped at once (whatever collective they wait in) and the launch raises
+    :class:`RanksFailed` with the line the failed ranks' records in ``run_dir`` make (``distributed.failure``).
     """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from kdsweep.metrics.records import describe_failure, rank_failures
 
     port = cfg.master_port or _free_port(cfg.master_addr)
     launch = LaunchConfig(
@@ -72,7 +79,18 @@ def spawn(fn: Callable[..., Any], args: tuple, cfg: DistConfig) -> Any:
         start_method="spawn",
     )
     os.environ[LOCAL_RANKS] = "1"  # the ranks inherit it: they know dist.nproc_per_node started them, not torchrun
+    agent_log = logging.getLogger("torch.distributed.elastic")
+    level = agent_log.level
+    agent_log.setLevel(logging.CRITICAL)  # its report of a failed rank is a table and a traceback: the line says it
     try:
         return elastic_launch(launch, fn)(*args)[0]
+    except ChildFailedError as e:
+        found = rank_failures(run_dir) if run_dir is not None else []
+        if not found:
+            codes = sorted({f.exitcode for f in e.failures.values()})
+            raise RanksFailed(f"rank(s) {sorted(e.failures)} of the job ended with exit code(s) {codes} before they "
+                              f"could say why" + (f"; see {run_dir / 'logs'}" if run_dir else ""), False) from None
+        raise RanksFailed(describe_failure(found[0]), bool(found[0].get("config_error"))) from None
     finally:
+        agent_log.setLevel(level)
         os.environ.pop(LOCAL_RANKS, None)

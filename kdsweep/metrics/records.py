@@ -151,3 +151,35 @@ class RunRecord:
     def update(self, **fields: Any) -> None:
         self.data.update(fields)
         write_json_atomic(self.path, self.data)
+
+
+def failure_path(run_dir: Path, rank: int) -> Path:
+    """Where rank ``rank`` of a job of several records why it failed (``kdsweep.distributed.failure``)."""
+    return Path(run_dir) / "logs" / f"rank{rank}.failure.json"
+
+
+def rank_failures(run_dir: Path) -> list[dict[str, Any]]:
+    """Every rank's failure record of the run's last attempt: the ranks' own errors first, then by time."""
+    out = []
+    for path in sorted((Path(run_dir) / "logs").glob("rank*.failure.json")):
+        try:
+            out.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError):
+            continue
+    return sorted(out, key=lambda r: (r.get("peer_lost", False), r.get("time", 0)))
+
+
+def describe_failure(entry: dict[str, Any]) -> str:
+    """One line: the rank, where, what it was doing, the error, the fix, and where its traceback is."""
+    if entry.get("config_error"):
+        return entry["message"]
+    what = (f"rank {entry['rank']} ({entry['host']}) {'lost a peer' if entry['peer_lost'] else 'failed'} while "
+            f"{entry['doing']}: {entry['error'].splitlines()[0][:300]}")
+    fix = f"; {entry['hint']}" if entry.get("hint") else ""
+    return f"{what}{fix}; its traceback is in {entry['log']}"
+
+
+def failure_line(run_dir: Path) -> str | None:
+    """The line a job that failed across ranks ends with (None when no rank recorded a failure)."""
+    found = rank_failures(run_dir)
+    return describe_failure(found[0]) if found else None

@@ -1,28 +1,31 @@
 """Load the tokenizer, the frozen teacher and the (LoRA or fully) trainable student from HF directories.
 
 With one rank a model is read straight onto its device. With several, every rank builds it on the meta
-device, shards it with FSDP2 and receives its shards from rank 0, the only rank that reads the files, then
-every buffer from rank 0 too (rotary frequencies, embedding scales: no state dict carries them all).
+device and is given its weights by rank 0, the only rank that reads the files: its shards (FSDP2, over every rank
+or within each node, as its :class:`~kdsweep.distributed.placement.Placement` says) or, for a replicated teacher,
+a whole copy; then every buffer from rank 0 too (rotary frequencies, embedding scales: no state dict carries them
+all). ``train.dtype`` decides the dtypes (:mod:`kdsweep.models.precision`).
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from kdsweep.config.schema import DistConfig, ModelSource, StudentConfig
-from kdsweep.distributed import DistEnv, fsdp, single_process
+from kdsweep.distributed import DistEnv, comm, fsdp, single_process
+from kdsweep.distributed.placement import Placement, parameter_bytes, student_placement, teacher_placements
 from kdsweep import hub
 from kdsweep.models import targets, zoo
+from kdsweep.models.precision import Precision
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def resolve_dir(src: ModelSource, section: str = "model") -> Path:
@@ -40,23 +43,23 @@ def load_tokenizer(model_dir: Path):
     return tok
 
 
-def _from_pretrained(model_dir: Path, dtype: str) -> nn.Module:
+def _from_pretrained(model_dir: Path, dtype: torch.dtype) -> nn.Module:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # kdsweep's own bar and log lines say what happens
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype])
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     model.config.use_cache = False  # training never decodes; a KV cache only costs memory
     return model
 
 
-def _on_meta(model_dir: Path, dtype: str) -> nn.Module:
+def _on_meta(model_dir: Path, dtype: torch.dtype) -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_dir)
     config.use_cache = False
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
 def prepare(model: nn.Module, cfg: DistConfig, trainable: bool) -> None:
@@ -69,8 +72,8 @@ def prepare(model: nn.Module, cfg: DistConfig, trainable: bool) -> None:
 
 
 def _build(
-    model_dir: Path, dtype: str, device: torch.device, env: DistEnv, cfg: DistConfig,
-    wrap: Callable[[nn.Module], nn.Module], trainable: bool,
+    model_dir: Path, dtype: torch.dtype, device: torch.device, env: DistEnv, cfg: DistConfig,
+    wrap: Callable[[nn.Module], nn.Module], trainable: bool, placement: Placement, precision: Precision, owner: str,
 ) -> nn.Module:
     if env.world_size == 1:
         model = wrap(_from_pretrained(model_dir, dtype))
@@ -79,28 +82,78 @@ def _build(
     source = wrap(_from_pretrained(model_dir, dtype)) if env.is_main else None
     model = wrap(_on_meta(model_dir, dtype))
     prepare(model, cfg, trainable)
-    fsdp.shard(model, cfg)
-    model.to_empty(device="cpu" if cfg.cpu_offload else device)  # offloaded shards live on the host
-    fsdp.load_from_rank0(model, source.state_dict() if source is not None else {})
-    fsdp.broadcast_buffers(model, source)
+    with comm.owned_by(owner):  # loading's broadcasts: once per job, counted as this model's
+        if not placement.sharded:  # a whole copy on every rank: filled from rank 0's, then no collective ever again
+            model.to_empty(device=device)
+            fsdp.broadcast_whole(model, source)
+            return model
+        fsdp.shard(model, cfg, mesh=placement.mesh(device), mp_policy=precision.fsdp_policy(trainable))
+        comm.label(model, owner)
+        if placement.two_dimensional and trainable:  # HSDP: the gradients' all-reduce across nodes is the student's
+            comm.own_group(placement.mesh(device).get_group("replicate"), owner)
+        model.to_empty(device="cpu" if cfg.cpu_offload else device)  # offloaded shards live on the host
+        fsdp.load_from_rank0(model, source.state_dict() if source is not None else {})
+        fsdp.broadcast_buffers(model, source)
     return model
 
 
+def model_bytes(model_dir: Path, dtype: torch.dtype, wrap: Callable[[nn.Module], nn.Module] = lambda m: m) -> tuple[int, int]:
+    """(bytes of the model's weights as held, its trainable parameters), counted on the meta device (no weights read)."""
+    model = wrap(_on_meta(model_dir, dtype))
+    return parameter_bytes(model), sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where the job's student and each of its teachers live (``distributed.placement``), and why."""
+
+    student: Placement
+    teachers: list[Placement]
+
+    def record(self) -> dict[str, Any]:
+        """run.json's ``placement``."""
+        teachers = [t.record() for t in self.teachers]
+        return {"student": self.student.record(), "teacher": teachers[0] if len(teachers) == 1 else teachers}
+
+
+def plan(student_dir: Path, student: StudentConfig, teacher_dirs: list[Path], dtype: str, seed: int, env: DistEnv,
+         cfg: DistConfig, device: torch.device) -> Plan:
+    """Each model's placement: the student sharded as ``dist.student_mesh`` says, each teacher placed by its size
+    against the rank's budget beside the student (``dist.teacher_placement``). Costs nothing on one rank."""
+    precision = Precision(dtype)
+    if env.world_size == 1:
+        return Plan(student_placement(cfg, env), teacher_placements(cfg, env, [0] * len(teacher_dirs), 0, device))
+    s_bytes, trainable = model_bytes(student_dir, precision.student_dtype(student.lora_rank == 0),
+                                     student_wrapper(student, seed))
+    s_place = student_placement(cfg, env, s_bytes)
+    master = torch.finfo(precision.master_dtype).bits // 8
+    per_rank = (s_bytes + trainable * 3 * master) / s_place.shard_ranks  # weights, and a gradient and 2 AdamW moments
+    t_bytes = [model_bytes(d, precision.frozen_dtype)[0] for d in teacher_dirs]
+    return Plan(s_place, teacher_placements(cfg, env, t_bytes, per_rank, device))
+
+
 def load_teacher(
-    model_dir: Path, dtype: str, device: torch.device, env: DistEnv | None = None, dist_cfg: DistConfig | None = None
+    model_dir: Path, dtype: str, device: torch.device, env: DistEnv | None = None, dist_cfg: DistConfig | None = None,
+    placement: Placement | None = None, owner: str = "teacher",
 ) -> nn.Module:
-    """The teacher: eval mode (no dropout), every parameter frozen, sharded like the student."""
+    """The teacher: eval mode (no dropout), every parameter frozen, in the frozen dtype of ``train.dtype``, placed as
+    ``placement`` says (default: as ``dist.teacher_placement`` would place it alone)."""
+    env, cfg, precision = env or single_process(), dist_cfg or DistConfig(), Precision(dtype)
 
     def freeze(model: nn.Module) -> nn.Module:
         return model.eval().requires_grad_(False)
 
-    return _build(model_dir, dtype, device, env or single_process(), dist_cfg or DistConfig(), freeze, trainable=False)
+    if placement is None:
+        nbytes = model_bytes(model_dir, precision.frozen_dtype)[0] if env.world_size > 1 else 0
+        placement = teacher_placements(cfg, env, [nbytes], 0, device)[0]
+    return _build(model_dir, precision.frozen_dtype, device, env, cfg, freeze, False, placement, precision, owner)
 
 
-def student_wrapper(cfg: StudentConfig, seed: int) -> Callable[[nn.Module], nn.Module]:
+def student_wrapper(cfg: StudentConfig, seed: int, dtype: str = "fp32") -> Callable[[nn.Module], nn.Module]:
     """What makes a loaded model the student ``cfg`` asks for: a peft LoRA of rank ``cfg.lora_rank`` on the resolved
-    ``cfg.target_modules`` (adapter initialised from ``seed``), or the plain model in train mode (``lora_rank=0``).
-    ``load_student`` applies it; so may a harness that builds its own model (benchmarks/gpu)."""
+    ``cfg.target_modules`` (adapter initialised from ``seed``; fp32 unless ``dtype=bf16_pure``), or the plain model in
+    train mode (``lora_rank=0``). ``load_student`` applies it; so may a harness that builds its own model
+    (benchmarks/gpu)."""
 
     def wrap(model: nn.Module) -> nn.Module:
         if cfg.lora_rank == 0:
@@ -118,22 +171,27 @@ def student_wrapper(cfg: StudentConfig, seed: int) -> Callable[[nn.Module], nn.M
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             # LoRA on a tied output layer: the merged export unties it (checkpoint.export), as peft advises
             warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*", category=UserWarning)
-            return get_peft_model(model, lora).train()
+            # peft holds adapters in fp32 over a bf16 base (their master weights); bf16_pure keeps them in bf16
+            return get_peft_model(model, lora, autocast_adapter_dtype=dtype != "bf16_pure").train()
 
     return wrap
 
 
 def load_student(
     model_dir: Path, cfg: StudentConfig, dtype: str, device: torch.device, seed: int,
-    env: DistEnv | None = None, dist_cfg: DistConfig | None = None,
+    env: DistEnv | None = None, dist_cfg: DistConfig | None = None, placement: Placement | None = None,
 ) -> nn.Module:
-    """The student in train mode: a peft LoRA model (``lora_rank > 0``) or the plain model, fully trainable."""
-    model = _build(model_dir, dtype, device, env or single_process(), dist_cfg or DistConfig(),
-                   student_wrapper(cfg, seed), trainable=True)
+    """The student in train mode: a peft LoRA model (``lora_rank > 0``) or the plain model, fully trainable, its
+    trainable parameters in the master dtype of ``train.dtype`` (fp32 unless ``bf16_pure``)."""
+    env, dist_cfg, precision = env or single_process(), dist_cfg or DistConfig(), Precision(dtype)
+    placement = placement or student_placement(dist_cfg, env)
+    model = _build(model_dir, precision.student_dtype(cfg.lora_rank == 0), device, env, dist_cfg,
+                   student_wrapper(cfg, seed, dtype), True, placement, precision, "student")
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    log.info("student: %d of %d parameters trainable on this rank (%s)", trainable, total,
-             f"LoRA rank {cfg.lora_rank}" if cfg.lora_rank else "full fine-tune")
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.requires_grad})
+    log.info("student: %d of %d parameters trainable on this rank (%s, trainable in %s)", trainable, total,
+             f"LoRA rank {cfg.lora_rank}" if cfg.lora_rank else "full fine-tune", "/".join(dtypes))
     if cfg.lora_rank:
         reached = targets.adapted(model)
         log.info("LoRA reached %d modules (model.target_modules=%s): %s", len(reached),
@@ -153,6 +211,7 @@ def unsharded_on_rank0(
     state = fsdp.gather_to_rank0(student)
     if not env.is_main:
         return None
-    model = student_wrapper(cfg, seed)(_from_pretrained(model_dir, dtype))
+    precision = Precision(dtype)
+    model = student_wrapper(cfg, seed, dtype)(_from_pretrained(model_dir, precision.student_dtype(cfg.lora_rank == 0)))
     model.load_state_dict(state)
     return model

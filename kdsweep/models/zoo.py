@@ -177,6 +177,12 @@ def _pretrain(name: str, tok_dir: Path, out: Path) -> None:
         opt.zero_grad(set_to_none=True)
         if step % 50 == 0 or step == recipe["steps"] - 1:
             log.info("%s pre-training step %d/%d: loss %.3f", name, step + 1, recipe["steps"], loss.item())
-    model.save_pretrained(out)
+    # not save_pretrained: in a rank of a process group other than 0 (the one that won the build's lock) transformers
+    # writes no weights and no config, and the zoo would keep a model without them
+    from safetensors.torch import save_model
+
+    model.config.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    save_model(model, str(out / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(out)
     (out / "kdsweep_zoo.json").write_text(json.dumps({"name": name, "arch": ARCHS[name], "recipe": recipe}, indent=2))

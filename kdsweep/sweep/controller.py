@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from kdsweep.metrics.records import JOB_STARTED, SHARED_THREADS
+from kdsweep.metrics.records import JOB_STARTED, SHARED_THREADS, failure_line
 from kdsweep.sweep.cost import cost_lines, sweep_cost
 from kdsweep.sweep.manifest import FINAL, STORAGE_ENV, Manifest, connect_url
 from kdsweep.sweep.space import Param
@@ -144,15 +144,25 @@ def judge(run_dir: Path, exit_code: int | str, objectives: tuple[str, ...], atte
     refused = next(filter(None, (_refusal(Path(p)) for p in reversed(logs))), "") if status is None else ""
     if refused:  # it refused its input before writing a record (seen as "gone" when no controller watched it)
         return Outcome("FAIL", reason=refused[:500])
-    # a signal, or an end the job did not choose (vanished, cancelled, timed out, node failure) mid-run
+    # a signal, or an end the job did not choose (vanished, cancelled, timed out, node failure) mid-run; or a rank
+    # of the job lost: rank 0 saw a peer's end through a collective (interrupted), or was ended by its launcher
+    # before it could record anything (still running)
     killed = (isinstance(exit_code, int) and exit_code < 0) or (isinstance(exit_code, str) and status in (None, "running", "preempted"))
-    if killed or status == "preempted":
+    if killed or status in ("preempted", "interrupted", "running"):
+        ranks = _rank_failure(run_dir)
+        why = f"the job was interrupted (exit {exit_code}{'; ' + ranks if ranks else ''})"
         if attempts <= retries:
-            return Outcome("RETRY", reason=f"the job was interrupted (exit {exit_code}); restarting it")
-        return Outcome("FAIL", reason=f"the job was interrupted {attempts} times (last exit {exit_code}); retries exhausted")
+            return Outcome("RETRY", reason=f"{why}; restarting it")
+        return Outcome("FAIL", reason=f"the job was interrupted {attempts} times (last: exit {exit_code}"
+                                      f"{'; ' + ranks if ranks else ''}); retries exhausted"[:500])
     reason = (record.get("error") or next(filter(None, (_last_error_line(Path(p)) for p in reversed(logs))), "")
               or f"the job exited with {exit_code}")
     return Outcome("FAIL", reason=reason[:500])
+
+
+def _rank_failure(run_dir: Path) -> str:
+    """What the job's ranks recorded of their failure (``distributed.failure``), in one line, or ""."""
+    return failure_line(run_dir) or ""
 
 
 def _refusal(log_path: Path) -> str:

@@ -64,10 +64,44 @@ def sweep_cost(manifest: Manifest) -> dict[str, Any]:
         per_token = build["device_seconds"] / build["teacher_tokens"]
         cache = total["teacher_tokens_read"] * per_token + readers * build.get("teacher_load_s", 0.0) * build["ranks"]
     live = total["device_seconds"] + pruning + cache
-    return {**total, "trials": len(records), "cache_builds": sum(1 for _, r in records for t in _teachers(r)
+    return {**total, "trials": len(records), "comm_per_step": comm_per_step([r for _, r in records]), "cache_builds": sum(1 for _, r in records for t in _teachers(r)
                                                                  if t.get("built")),
             "saved_by_pruning_device_seconds": pruning, "saved_by_cache_device_seconds": cache,
             "live_no_pruning_device_seconds": live, "ratio": total["device_seconds"] / live if live else None}
+
+
+def comm_per_step(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rank 0's collectives per training step (run.json ``comm.per_step``), bytes by model and kind, averaged over
+    the trials that trained on several ranks."""
+    having = [r["comm"]["per_step"] for r in records if (r.get("comm") or {}).get("steps") and r.get("world_size", 1) > 1]
+    out: dict[str, dict[str, float]] = {}
+    for per_step in having:
+        for owner, kinds in per_step.items():
+            for kind, c in kinds.items():
+                out.setdefault(owner, {}).setdefault(kind, 0.0)
+                out[owner][kind] += c["bytes"] / len(having)
+    return {"trials": len(having), "bytes": out}
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def comm_line(comm: dict[str, Any]) -> str | None:
+    """``kdsweep status``: what a training step moves, per model (None when no trial ran on several ranks)."""
+    if not comm.get("trials"):
+        return None
+    parts = []
+    for owner in sorted(comm["bytes"], key=lambda o: (o == "other", o)):
+        kinds = comm["bytes"][owner]
+        detail = ", ".join(f"{k.replace('_', '-')} {_size(v)}" for k, v in sorted(kinds.items()) if v)
+        parts.append(f"{owner} {_size(sum(kinds.values()))}" + (f" ({detail})" if detail else ""))
+    teachers = [o for o in comm["bytes"] if o.startswith("teacher")]
+    return (f"collectives per training step (rank 0, bytes on the wire; mean of {comm['trials']} trial(s)): "
+            + "; ".join(parts) + ("" if teachers else "; teacher none (replicated, or a cache)"))
 
 
 def cost_lines(cost: dict[str, Any]) -> list[str]:
@@ -84,6 +118,9 @@ def cost_lines(cost: dict[str, Any]) -> list[str]:
         + (f"; workers idle {cost['worker_idle_device_seconds']:.1f} device-s (counted above)"
            if cost.get("worker_idle_device_seconds") else ""),
     ]
+    line = comm_line(cost.get("comm_per_step") or {})
+    if line:
+        lines.append(line)
     if cost["ratio"] is not None:
         lines.append(
             f"saved (estimates): pruning {cost['saved_by_pruning_device_seconds']:.1f} device-s, teacher cache "

@@ -10,6 +10,7 @@ how many ranks built it, nor on how its rows were batched.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
@@ -27,7 +28,8 @@ from kdsweep.data.batch import Batch
 from kdsweep.data.cache import built_once
 from kdsweep.data.rows import Rows
 from kdsweep.data.sampling import stream_seed
-from kdsweep.distributed import DistEnv
+from kdsweep.distributed import DistEnv, failure
+from kdsweep.distributed.waits import from_rank0
 from kdsweep.teacher.cache import CACHE_VERSION, SPLITS, Spec
 from kdsweep.teacher.check import size
 
@@ -198,6 +200,7 @@ def ensure(root: Path, key: str, spec: Spec, splits: dict[str, Selection], load:
     stats: dict[str, Any] | None = None
 
     def build(tmp: Path) -> dict[str, Any]:
+        failure.doing(f"building the teacher cache {root / key}")
         t0 = time.perf_counter()
         teacher = load()
         loaded = time.perf_counter() - t0
@@ -214,20 +217,23 @@ def ensure(root: Path, key: str, spec: Spec, splits: dict[str, Selection], load:
         return {"seconds": seconds, "teacher_load_s": loaded, "ranks": dist.world_size, "device": device.type,
                 "teacher_tokens": computed, "device_seconds": seconds * dist.world_size}
 
-    if dist.is_main:
-        with built_once(root, key) as (final, tmp):
-            dist.broadcast_object(str(tmp) if tmp is not None else "")
-            if tmp is not None:
-                stats = build(tmp)
+    with contextlib.ExitStack() as held:
+        def claim() -> str:  # rank 0 takes the build's lock, however long another job holds it (saying so)
+            _, tmp = held.enter_context(built_once(root, key, what=f"the teacher cache {root / key}"))
+            return str(tmp) if tmp is not None else ""
+
+        # the others wait outside any collective, for rank 0's word: build into this directory, or read the cache
+        failure.doing(f"waiting for the teacher cache {root / key} (another job may be building it)")
+        tmp = from_rank0(dist, f"take the build lock of the teacher cache {root / key}", claim)
+        if tmp:
+            stats = build(Path(tmp))
+            if dist.is_main:
                 meta = {"version": CACHE_VERSION, "spec": spec.__dict__, **info, "built": stats,
                         "splits": {s: {"positions": sel.positions, "rows": len(sel.selected), "of_rows": len(sel.rows),
                                        "parts": parts(sel, dist.world_size)} for s, sel in splits.items()}}
                 for s, sel in splits.items():
-                    _write_file(tmp / f"{s}.rows", sel.selected.to(torch.int64))
-                (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-    else:
-        tmp = dist.broadcast_object(None)
-        if tmp:
-            stats = build(Path(tmp))
-    dist.barrier()  # renamed into place before anyone reads it
-    return root / key, dist.broadcast_object(stats)
+                    _write_file(Path(tmp) / f"{s}.rows", sel.selected.to(torch.int64))
+                (Path(tmp) / "meta.json").write_text(json.dumps(meta, indent=1))
+    # renamed into place (the lock released) before anyone reads it: rank 0 says so once it is
+    from_rank0(dist, f"put the teacher cache {root / key} in place", lambda: None)
+    return root / key, stats

@@ -70,7 +70,7 @@ class Spec:
     def of(cls, cfg: RunConfig, vocab: int, aligned: bool = False) -> "Spec":
         c = cfg.teacher.cache
         full = c.method == "full"
-        bf16 = cfg.train.dtype == "bf16" or cfg.dist.mixed_precision
+        bf16 = cfg.train.dtype != "fp32"  # the teacher's weights and compute dtype
         temperature = cfg.loss.temperature if aligned else 1.0 if full else cfg.cache_temperature
         return cls(method=c.method, k=0 if full else c.k, temperature=temperature,
                    seed=c.seed if c.method == "sample" else 0, vocab=vocab, dtype="bfloat16" if bf16 else "float32",

@@ -12,6 +12,8 @@ import torch
 from kdsweep.config.schema import RunConfig
 from kdsweep.data.dataset import RunData
 from kdsweep.distributed import DistEnv
+from kdsweep.distributed.placement import Placement
+from kdsweep.distributed.waits import from_rank0
 from kdsweep.metrics.records import ALIGNMENT_FIELDS
 from kdsweep.models.check import cross_tokenizer
 from kdsweep.teacher.source import TeacherSource
@@ -150,28 +152,28 @@ def cross_pair(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: RunDa
 def open_teacher(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: RunData, dist: DistEnv,
                  device: torch.device, announce: Callable[[dict[str, float]], None] = lambda progress: None,
                  keep: Callable[[str, Callable[[], Hashable], Callable[[], Any]], Any] = lambda kind, key, build: build(),
-                 slot: str = "") -> Teacher:
+                 slot: str = "", placement: Placement | None = None) -> Teacher:
     """The job's teacher; ``announce`` hears how a cache build progresses (rank 0: seconds so far and to go).
-    ``keep(kind, key, build)``: how a worker keeps a live teacher's weights while its files, dtype and sharding stay
+    ``keep(kind, key, build)``: how a worker keeps a live teacher's weights while its files, dtype and placement stay
     the same (``train.kept.Kept.get``); a plain job builds it. ``slot``: which of several teachers this is (each
-    kept apart)."""
+    kept apart, its collectives counted as ``teacher<slot>``'s). ``placement``: where its weights live on the ranks
+    (as ``dist.teacher_placement`` alone would say when not given)."""
     from kdsweep.models.load import load_teacher
 
-    load = lambda: load_teacher(teacher_dir, cfg.train.dtype, device, dist, cfg.dist)
+    load = lambda: load_teacher(teacher_dir, cfg.train.dtype, device, dist, cfg.dist, placement, f"teacher{slot}")
     if cfg.teacher.logits == "live":
-        def key() -> Hashable:  # its files' content (memoized by size and mtime), dtype, device and sharding
-            digest = dist.broadcast_object(teacher_hash(teacher_dir, cache_root(cfg) / "hashes") if dist.is_main else None)
-            d = cfg.dist
-            return digest, cfg.train.dtype, str(device), dist.world_size, (
-                d.mixed_precision, d.reshard_after_forward, d.cpu_offload, d.compile)
-
+        # its files' content (memoized by size and mtime), hashed by rank 0 while its peers wait outside collectives
+        identity = from_rank0(dist, "hash the teacher's files", lambda: teacher_hash(teacher_dir, cache_root(cfg) / "hashes"))
+        d = cfg.dist
+        key = lambda: (identity, cfg.train.dtype, str(device), dist.world_size, placement and placement.how,
+                       (d.reshard_after_forward, d.cpu_offload, d.compile))
         model = keep(f"live_teacher{slot}", key, load)
-        identity = teacher_hash(teacher_dir, cache_root(cfg) / "hashes")
+        held = {"source": "live", "weights_dtype": sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})}
         if cross_tokenizer(cfg):
             pair = cross_pair(cfg, teacher_dir, student_dir, data, device)
-            return Teacher(pair.live(model, "train"), pair.live(model, "eval"), {"source": "live", **pair.record}, identity)
+            return Teacher(pair.live(model, "train"), pair.live(model, "eval"), {**held, **pair.record}, identity)
         live = LiveTeacher(model, fused=cfg.loss.impl == "fused")
-        return Teacher(live, live, {"source": "live", "teacher_ce": "exact", "kl": "exact (T=1)"}, identity)
+        return Teacher(live, live, {**held, "teacher_ce": "exact", "kl": "exact (T=1)"}, identity)
     if cross_tokenizer(cfg):
         return cached_teacher(cfg, teacher_dir, student_dir, data, dist, device, announce, load,
                               cross_pair(cfg, teacher_dir, student_dir, data, device))
@@ -198,7 +200,7 @@ def cached_teacher(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: R
         source = lambda split: CachedCrossTeacher(split, device, pair.scoring)
         described = pair.record
     root = cache_root(cfg)
-    digest = dist.broadcast_object(teacher_hash(teacher_dir, root / "hashes") if dist.is_main else None)
+    digest = from_rank0(dist, "hash the teacher's files", lambda: teacher_hash(teacher_dir, root / "hashes"))
     used = torch.arange(len(data.train))
     if cfg.teacher.cache.rows == "used":
         used = StepSampler(len(data.train), cfg.data.batch_size, cfg.train.seed).rows_of_first_steps(cfg.train.max_steps)

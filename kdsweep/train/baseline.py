@@ -18,12 +18,13 @@ import json
 import logging
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from kdsweep.config.schema import RunConfig
 from kdsweep.data.key import cache_root as data_cache_root
 from kdsweep.data.sources import content_hash
 from kdsweep.distributed import DistEnv
+from kdsweep.distributed.waits import from_rank0
 from kdsweep.metrics.records import write_json_atomic
 from kdsweep.train.step import EvalResult
 
@@ -39,33 +40,33 @@ def baseline_path(cfg: RunConfig, student_dir: Path, teacher_identity: str, teac
         return None
     memo = data_cache_root(cfg.data) / "hashes"
     parts = [1, content_hash(str(student_dir), memo), teacher_identity, teacher_record.get("kl"), data_key,
-             cfg.train.dtype, cfg.dist.mixed_precision, cfg.data.max_eval_sequences, cfg.loss.ignore_index,
+             cfg.train.dtype, cfg.data.max_eval_sequences, cfg.loss.ignore_index,
              cfg.loss.impl, world_size]
     key = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:20]
     return Path(cfg.trial.sweep_dir) / "baselines" / f"{key}.json"
 
 
-@contextlib.contextmanager
-def _one_at_a_time(path: Path | None, dist: DistEnv) -> Iterator[None]:
-    """Rank 0 holds the lock of ``path`` (its other ranks wait for rank 0's word inside); nothing for a plain run."""
-    if path is None or not dist.is_main:
-        yield
-        return
+def _lock(path: Path, held: contextlib.ExitStack) -> Any:
+    """Rank 0 takes the lock beside ``path`` for as long as ``held`` lasts (a trial evaluating this baseline now:
+    wait, then read what it wrote) and reads the baseline, if it is there."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.parent / f".{path.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # a trial evaluating this baseline now: wait, then read what it wrote
-        yield
+    lock = held.enter_context(open(path.parent / f".{path.name}.lock", "w"))
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def baseline(path: Path | None, evaluate: Callable[[], EvalResult], dist: DistEnv) -> tuple[EvalResult, bool]:
-    """(the evaluation before training, whether it was read from the sweep rather than computed)."""
-    with _one_at_a_time(path, dist):
-        saved = dist.broadcast_object(json.loads(path.read_text()) if dist.is_main and path and path.is_file() else None)
+    """(the evaluation before training, whether it was read from the sweep rather than computed). Rank 0 holds the
+    baseline's lock while it is evaluated; its peers wait for its word outside any collective."""
+    if path is None:
+        return evaluate(), False
+    with contextlib.ExitStack() as held:
+        saved = from_rank0(dist, f"read the sweep's baseline {path}", lambda: _lock(path, held))
         if saved is not None:
             log.info("the untrained student's evaluation: reused the sweep's baseline %s (same student, data, "
                      "teacher)", path)
             return EvalResult(**saved), True
         result = evaluate()
-        if path is not None and dist.is_main:
+        if dist.is_main:
             write_json_atomic(path, asdict(result))
     return result, False

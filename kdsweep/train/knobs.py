@@ -12,6 +12,12 @@ from kdsweep.teacher.views import reads_chat_in_own_template
 log = logging.getLogger(__name__)
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def warn_idle_knobs(cfg: RunConfig, dist: DistEnv) -> None:
     """Options that cannot act in this setting: say so instead of ignoring them silently."""
 
@@ -19,9 +25,24 @@ def warn_idle_knobs(cfg: RunConfig, dist: DistEnv) -> None:
         return getattr(section, knob) != getattr(default, knob)
 
     if dist.world_size == 1:
-        for knob in ("reshard_after_forward", "mixed_precision", "cpu_offload"):
+        for knob in ("reshard_after_forward", "cpu_offload", "teacher_placement", "student_mesh", "device_memory_gb",
+                     "memory_headroom"):
             if changed(cfg.dist, DistConfig(), knob):
                 log.warning("dist.%s=%s has no effect with one rank (nothing is sharded)", knob, getattr(cfg.dist, knob))
+    elif cfg.dist.teacher_placement != "auto":
+        for knob in ("device_memory_gb", "memory_headroom"):
+            if changed(cfg.dist, DistConfig(), knob):
+                log.warning("dist.%s=%s has no effect with dist.teacher_placement=%s (only auto plans against the "
+                            "budget)", knob, getattr(cfg.dist, knob), cfg.dist.teacher_placement)
+    if dist.nodes == 1 and dist.world_size > 1 and cfg.dist.student_mesh == "hsdp":
+        log.warning("dist.student_mesh=hsdp has no effect on one node: the student is sharded over its %d ranks",
+                    dist.world_size)
+    if not cfg.train.tf32 and cfg.train.device != "cuda" and not _cuda():
+        log.warning("train.tf32=false has no effect on CPU (TF32 is a GPU matmul mode)")
+    if cfg.train.dtype == "bf16_pure" and cfg.model.lora_rank == 0:
+        log.warning("train.dtype=bf16_pure: a full fine-tune keeps bf16 master weights and bf16 AdamW state, so updates "
+                    "below bf16's resolution (about 0.4%% of a weight) round away; train.dtype=bf16 computes in bf16 "
+                    "with fp32 master weights")
     if dist.source in ("torchrun", "slurm") and changed(cfg.dist, DistConfig(), "nproc_per_node"):
         log.warning("dist.nproc_per_node=%d is ignored: %s decides the ranks (%d here)",
                     cfg.dist.nproc_per_node, dist.source, dist.world_size)

@@ -16,9 +16,11 @@ from kdsweep.checkpoint import export as exporting
 from kdsweep.checkpoint import steps as checkpoints
 from kdsweep.config.schema import RunConfig
 from kdsweep.data.dataset import load_data
-from kdsweep.distributed import DistEnv, device_for, single_process
+from kdsweep.distributed import DistEnv, comm, device_for, failure, single_process
+from kdsweep.distributed.waits import from_rank0
 from kdsweep.metrics.records import RunRecord
 from kdsweep.models.load import load_tokenizer, resolve_dir, unsharded_on_rank0
+from kdsweep.models.precision import enable_tf32
 from kdsweep.teacher.views import chat_view
 from kdsweep.train.kept import Kept
 from kdsweep.train.knobs import warn_idle_knobs
@@ -26,7 +28,7 @@ from kdsweep.train.profile import step_profiler
 from kdsweep.train.resume import check_resumable, training_fingerprint
 from kdsweep.train.sources import open_sources
 from kdsweep.train.step import EvalResult, train_step
-from kdsweep.train.trial import peak_memory_mb, start_trial
+from kdsweep.train.trial import peak_memory_mb, reset_peak_memory, start_trial
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,15 @@ class RunResult:
     """None when the run stopped for preemption (it has no final evaluation yet)."""
     output_dir: str
     exports: dict[str, str] = field(default_factory=dict)
+
+
+def comm_record(in_steps: comm.Tally, whole: comm.Tally, steps: int) -> dict[str, Any]:
+    """run.json's ``comm``: rank 0's collectives in this attempt's training steps (summed, and per step), and in the
+    whole attempt (loading, evaluations and checkpoints too), by model and kind, in bytes per rank."""
+    per_step = {owner: {kind: {k: v / max(steps, 1) for k, v in c.items()} for kind, c in kinds.items()}
+                for owner, kinds in in_steps.record().items()}
+    return {"steps": steps, "train": in_steps.record(), "per_step": per_step, "attempt": whole.record(),
+            "bytes": "per rank, on the wire as ring collectives move them (see kdsweep.distributed.comm)"}
 
 
 def prepare_data(cfg: RunConfig) -> None:
@@ -102,8 +113,11 @@ def run(
     try:
         result = _train(cfg, dist, reporter, preemption, out, record, resume_from, kept)
     except BaseException as e:
-        if record is not None:
-            record.update(status="failed", error=f"{type(e).__name__}: {e}", wall_seconds=time.time() - started)
+        if record is not None:  # a collective that failed because a peer is gone is the job's lost rank, not the run's
+            lost = failure.peer_lost(e)
+            record.update(status="interrupted" if lost else "failed", wall_seconds=time.time() - started,
+                          error=f"{'a peer rank was lost while ' + failure.DOING[0] + ': ' if lost else ''}"
+                                f"{type(e).__name__}: {e}")
         raise
     if record is not None:
         record.update(
@@ -125,6 +139,9 @@ def _train(
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     device = device_for(cfg.train.device, dist)
+    enable_tf32(cfg.train.tf32)
+    reset_peak_memory(device)  # a warm worker's earlier trials count for nothing here
+    comm_start = comm.TALLY.copy()
     torch.manual_seed(cfg.train.seed)
     warn_idle_knobs(cfg, dist)
     src = open_sources(cfg, dist, device, kept, record)
@@ -143,18 +160,25 @@ def _train(
     )
     profiler = step_profiler(cfg.profiler, out, device, dist.rank)
     meter.start_loop()
+    in_steps = comm.Tally()  # what the training steps issued (the rest: loading, evaluations, checkpoints)
     with profiler:
         while step < cfg.train.max_steps:
+            failure.doing(f"training step {step + 1}")
             t_step = time.perf_counter()
+            before = comm.TALLY.copy()
             shares = sampler.rank_micro_batches(step, dist.rank, dist.world_size, d.micro_batch_size)
-            micro = rollout.batches(step, [train_rows.batch(idx).to(device) for idx in shares])
-            work = rollout.work(sum(int(train_rows.tokens[idx].sum()) for idx in shares))  # data: non-padding inputs
-            meter.step(work.tokens, work.teacher_generated)
-            stats = train_step(
-                student, teacher.train, micro, optimizer, scheduler,
-                loss_cfg=cfg.loss, max_grad_norm=o.max_grad_norm, dist=dist,
-            )
+            with trial.compute():
+                micro = rollout.batches(step, [train_rows.batch(idx).to(device) for idx in shares])
+                work = rollout.work(sum(int(train_rows.tokens[idx].sum()) for idx in shares))  # data: non-padding
+                meter.step(work.tokens, work.teacher_generated)
+                stats = train_step(
+                    student, teacher.train, micro, optimizer, scheduler,
+                    loss_cfg=cfg.loss, max_grad_norm=o.max_grad_norm, dist=dist,
+                )
+            step_comm = comm.TALLY.since(before)
+            in_steps += step_comm
             step += 1
+            failure.injected(dist.rank, step, out)
             profiler.step()
             elapsed = time.perf_counter() - t_step
             bar.update(1)
@@ -171,15 +195,18 @@ def _train(
                     "peak_mem_mb": max(peaks),
                     "peak_mem_mb_per_rank": peaks,
                     **rollout.report(elapsed),
+                    **step_comm.row(),  # this rank's collectives of the step, bytes by model and kind
                 })
             pruned = False
             if step % cfg.train.eval_every == 0 and step < cfg.train.max_steps:
+                failure.doing(f"evaluating after step {step}")
                 ev = evaluate_now()
                 metrics.log("eval", step, asdict(ev))
                 pruned = dist.any(reporter.report(step, asdict(ev)))  # rank 0 decides (others hold a null reporter)
             preempted = dist.any(preemption is not None and preemption.requested)  # signals may reach ranks apart
             periodic = cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0
             if periodic or step == cfg.train.max_steps or pruned or preempted:
+                failure.doing(f"writing the checkpoint of step {step}")
                 checkpoints.save(
                     ckpt_root, step, student, optimizer,
                     {"step": step, "scheduler": scheduler.state_dict(), "eval_before": asdict(eval_before),
@@ -189,6 +216,7 @@ def _train(
                 spent = meter.snapshot()
                 if record is not None:
                     record.cost(spent)
+                    record.update(comm=comm_record(in_steps, comm.TALLY.since(comm_start), step - trial.start_step))
             if pruned or preempted:
                 status = "pruned" if pruned else "preempted"
                 log.info("%s at step %d (checkpoint written)", status, step)
@@ -201,10 +229,12 @@ def _train(
             output_dir=str(out),
         )
 
+    failure.doing(f"evaluating after step {step}")
     eval_after = evaluate_now()
     spent = meter.snapshot()
     if record is not None:
         record.cost(spent)
+        record.update(comm=comm_record(in_steps, comm.TALLY.since(comm_start), step - trial.start_step))
     metrics.log("eval", step, asdict(eval_after))
     if status == "completed":
         reporter.report(step, asdict(eval_after))
@@ -216,13 +246,10 @@ def _train(
     )
     exports: dict[str, str] = {}
     if status == "completed" and (cfg.checkpoint.export_adapter or cfg.checkpoint.export_merged):
+        failure.doing("exporting the trained student")
         full = unsharded_on_rank0(student, src.student_dir, cfg.model, cfg.train.dtype, cfg.train.seed, dist)
-        if full is not None:
-            exports = exporting.export(
-                full, src.tokenizer, out / "final",
-                adapter=cfg.checkpoint.export_adapter, merged=cfg.checkpoint.export_merged,
-            )
-        dist.barrier()
+        exports = from_rank0(dist, "export the trained student", lambda: exporting.export(  # peers wait outside collectives
+            full, src.tokenizer, out / "final", adapter=cfg.checkpoint.export_adapter, merged=cfg.checkpoint.export_merged))
     return RunResult(
         objective=eval_after.student_ce, status=status, steps=step, eval_before=eval_before,
         eval_after=eval_after, output_dir=str(out), exports=exports,

@@ -28,9 +28,7 @@ def training_fingerprint(cfg: RunConfig, data_key: str) -> dict[str, Any]:
     d["teacher"]["cache"].pop("dir")  # where a cache lies, like where the data lies, does not change the weights
     for key in ("eval_every", "log_every", "threads", "device"):
         d["train"].pop(key)
-    return {k: d[k] for k in ("model", "teacher", "data", "loss", "optim", "train")} | {
-        "mixed_precision": cfg.dist.mixed_precision
-    }
+    return {k: d[k] for k in ("model", "teacher", "data", "loss", "optim", "train")}
 
 
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -22,9 +22,9 @@ from kdsweep.data.dataset import RunData, data_key, describe, load_data
 from kdsweep.data.key import cache_root as data_cache_root, tokenizer_digest
 from kdsweep.data.rows import Rows
 from kdsweep.data.sampling import StepSampler
-from kdsweep.distributed import DistEnv
+from kdsweep.distributed import DistEnv, failure
 from kdsweep.metrics.records import SHARED_THREADS, RunRecord, job_started
-from kdsweep.models.load import load_tokenizer, resolve_dir
+from kdsweep.models.load import Plan, load_tokenizer, plan, resolve_dir
 from kdsweep.teacher.job import Teacher, open_teacher
 from kdsweep.teacher.mixture import mix
 from kdsweep.teacher.views import chat_view
@@ -45,6 +45,8 @@ class Sources:
     """The held-out rows this run evaluates on (at most ``data.max_eval_sequences``)."""
     sampler: StepSampler
     """Which rows each step reads (the run's seed and batch size): resumable by step."""
+    plan: Plan
+    """Where the student and each teacher live on the ranks (run.json's ``placement``)."""
     teacher: Teacher
     stats: dict[str, Any]
     """run.json's ``data``: the tokenization cache, and per split samples, rows, tokens and padding."""
@@ -71,6 +73,7 @@ def open_sources(cfg: RunConfig, dist: DistEnv, device: torch.device, kept: Kept
     """The run's rows and its teacher (a live model, or the teacher-logit cache, built first if nobody has yet)."""
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
+    failure.doing("reading the data")
     views = cfg.teacher_views()  # each teacher's weight, and the config as that teacher's alone
     student_dir = resolve_dir(cfg.model)
     teacher_dirs = [resolve_dir(view.teacher, "teacher") for _, view in views]
@@ -93,8 +96,14 @@ def open_sources(cfg: RunConfig, dist: DistEnv, device: torch.device, kept: Kept
             started = time.time() - job_started() - progress["elapsed_s"]
             record.update(teacher_targets={"building": True, "startup_s": started, **progress})
 
-    teachers = [open_teacher(view, teacher_dir, student_dir, data, dist, device, building, kept.get, slot=f"{i or ''}")
-                for i, ((_, view), teacher_dir) in enumerate(zip(views, teacher_dirs))]
+    placed = plan(student_dir, cfg.model, teacher_dirs, cfg.train.dtype, cfg.train.seed, dist, cfg.dist, device)
+    for name, where in (("student", placed.student), *((f"teacher {i}", t) for i, t in enumerate(placed.teachers))):
+        if dist.world_size > 1:
+            log.info("placement: %s %s (%s)", name, where.how, where.why)
+    failure.doing("loading the teacher (or reading, or building, its cache)")
+    teachers = [open_teacher(view, teacher_dir, student_dir, data, dist, device, building, kept.get, slot=f"{i or ''}",
+                             placement=where)
+                for i, ((_, view), teacher_dir, where) in enumerate(zip(views, teacher_dirs, placed.teachers))]
     teacher = teachers[0] if not cfg.teachers else mix(teachers, [w for w, _ in views], [str(d) for d in teacher_dirs])
     if record is not None:  # the sweep controller starts the other trials once a cache is ready
         record.update(teacher_targets=teacher.record, kept=list(kept.reused))
@@ -103,4 +112,5 @@ def open_sources(cfg: RunConfig, dist: DistEnv, device: torch.device, kept: Kept
     if os.environ.get(SHARED_THREADS) and not cfg.train.threads:  # it built the cache alone: now it shares the cores
         torch.set_num_threads(int(os.environ[SHARED_THREADS]))
     timings["teacher_s"] = time.perf_counter() - t0
-    return Sources(student_dir, teacher_dirs, tokenizer, data, train_rows, eval_rows, sampler, teacher, stats, timings)
+    return Sources(student_dir, teacher_dirs, tokenizer, data, train_rows, eval_rows, sampler, placed, teacher, stats,
+                   timings)

@@ -5,11 +5,12 @@ evaluation, cost meter, starting point (a checkpoint, or the sweep's shared base
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import torch
 from torch import nn
@@ -17,11 +18,12 @@ from torch import nn
 from kdsweep.checkpoint import steps as checkpoints
 from kdsweep.config.schema import RunConfig
 from kdsweep.data.rows import Rows
-from kdsweep.distributed import DistEnv
+from kdsweep.distributed import DistEnv, failure
 from kdsweep.metrics.cost import CostMeter
 from kdsweep.metrics.records import RunRecord, job_started
 from kdsweep.metrics.sinks import MetricLogger, open_sinks
 from kdsweep.models.load import load_student
+from kdsweep.models.precision import Precision
 from kdsweep.rollout import open_rollout
 from kdsweep.train import schedule
 from kdsweep.train.baseline import baseline, baseline_path
@@ -44,15 +46,37 @@ class Trial:
     start_step: int
     eval_before: EvalResult
     metrics: MetricLogger
+    compute: Callable[[], ContextManager]
+    """What the student's steps and evaluations run under: autocast to bf16 for an unsharded ``train.dtype=bf16``
+    student (a sharded one gets it from FSDP2), else nothing."""
 
 
 def peak_memory_mb(device: torch.device) -> float:
-    """Peak memory of this rank so far: allocated device memory on GPUs, the process's peak RSS on CPU."""
+    """Peak memory of this rank since :func:`reset_peak_memory`: allocated device memory on GPUs, the process's peak
+    resident memory on CPU (``VmHWM``)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    import resource
+    try:
+        status = Path("/proc/self/status").read_text()
+        return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:"))) / 1024
+    except (OSError, StopIteration):
+        import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """A trial's peak memory counts from here (a warm worker's earlier trials do not count): the previous trial's
+    garbage collected, its cached device blocks freed, the peak counters reset (``/proc/self/clear_refs`` resets
+    ``VmHWM`` on Linux)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
 
 
 def eval_batches_of_rank(rows: Rows, batch_size: int, dist: DistEnv, device: torch.device) -> list[Batch]:
@@ -73,7 +97,10 @@ def start_trial(cfg: RunConfig, dist: DistEnv, device: torch.device, src: Source
                 resume_from: Path | None, out: Path) -> Trial:
     """The trial's own parts, from its checkpoint (``resume_from``) or from the start (after the baseline)."""
     t0 = time.perf_counter()
-    student = load_student(src.student_dir, cfg.model, cfg.train.dtype, device, cfg.train.seed, dist, cfg.dist)
+    failure.doing("loading the student")
+    student = load_student(src.student_dir, cfg.model, cfg.train.dtype, device, cfg.train.seed, dist, cfg.dist,
+                           src.plan.student)
+    compute = lambda: Precision(cfg.train.dtype).autocast(device, sharded=src.plan.student.sharded)
     src.timings["student_s"] = time.perf_counter() - t0
     rollout = open_rollout(cfg, student, src.teacher.train, src.tokenizer, dist, device)
 
@@ -85,14 +112,17 @@ def start_trial(cfg: RunConfig, dist: DistEnv, device: torch.device, src: Source
     )
     scheduler = schedule.build(optimizer, o, cfg.train.max_steps)
     eval_batches = eval_batches_of_rank(src.eval_rows, cfg.data.eval_batch_size, dist, device)
-    evaluate_now = lambda: evaluate(
-        student, src.teacher.eval, eval_batches, ignore_index=cfg.loss.ignore_index, dist=dist,
-        num_chunks=cfg.loss.num_chunks, fused=cfg.loss.impl == "fused",
-    )
+
+    def evaluate_now() -> EvalResult:
+        with compute():
+            return evaluate(student, src.teacher.eval, eval_batches, ignore_index=cfg.loss.ignore_index, dist=dist,
+                            num_chunks=cfg.loss.num_chunks, fused=cfg.loss.impl == "fused")
+
     # the job's own start: its imports and tokenization hold the devices too
     teacher = src.teacher
     meter = CostMeter(dist, job_started(), teacher.tokens, (teacher.record.get("build") or {}).get("teacher_tokens", 0))
 
+    failure.doing("resuming from its checkpoint" if resume_from is not None else "evaluating the untrained student")
     if resume_from is not None:
         state = checkpoints.load(resume_from, student, optimizer, dist)
         scheduler.load_state_dict(state["scheduler"])
@@ -113,6 +143,15 @@ def start_trial(cfg: RunConfig, dist: DistEnv, device: torch.device, src: Source
     if record is not None:
         teachers = [str(d) for d in src.teacher_dirs]  # a hub id's snapshot
         record.update(models={"student": str(src.student_dir), "teacher": teachers[0] if len(teachers) == 1 else teachers},
-                      timings=src.timings, data=src.stats, resumed_from=str(resume_from) if resume_from else None,
+                      placement=src.plan.record(), precision=precision_record(cfg, student), timings=src.timings, data=src.stats, resumed_from=str(resume_from) if resume_from else None,
                       start_step=start_step, wandb=wandb_info)
-    return Trial(student, rollout, optimizer, scheduler, evaluate_now, meter, start_step, eval_before, metrics)
+    return Trial(student, rollout, optimizer, scheduler, evaluate_now, meter, start_step, eval_before, metrics, compute)
+
+
+def precision_record(cfg: RunConfig, student: nn.Module) -> dict[str, Any]:
+    """run.json's ``precision``: ``train.dtype``, and the dtypes the student's parameters are held in."""
+    held: dict[str, int] = {}
+    for p in student.parameters():
+        key = f"{'trainable' if p.requires_grad else 'frozen'} {str(p.dtype).removeprefix('torch.')}"
+        held[key] = held.get(key, 0) + p.numel()
+    return {"dtype": cfg.train.dtype, "tf32": cfg.train.tf32, "student_parameters": held}

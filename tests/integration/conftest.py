@@ -10,11 +10,12 @@ import pytest
 QUIET = ["logger=quiet"]
 
 
-def kdsweep(*args: str, cwd: Path, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run ``python -m kdsweep ARGS`` as a user would, in ``cwd``."""
+def kdsweep(*args: str, cwd: Path, check: bool = True, timeout: float = 600,
+            env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``python -m kdsweep ARGS`` as a user would, in ``cwd`` (``env_extra``: more environment variables)."""
     proc = subprocess.run(
         [sys.executable, "-m", "kdsweep", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})},
     )
     if check and proc.returncode != 0:
         raise AssertionError(f"kdsweep {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")

@@ -228,24 +228,80 @@ TOO_MANY = len(os.sched_getaffinity(0)) + 1
 SMOKE = ["train=smoke", "train.max_steps=2", *QUIET]
 
 
+# a full fine-tune whose every AdamW update (about lr) is far below half of bf16's resolution at the embedded
+# student's weights (|w| ~ 0.02: half a unit in the last place is 6e-5): 12 of them accumulate in fp32 master weights
+TINY_UPDATES = ["lora_rank=0", "lr=2e-6", "optim=adamw_constant", "optim.warmup_steps=0", "train.max_steps=12",
+                "train.eval_every=12", "checkpoint.save_every=12", "checkpoint.export_adapter=false",
+                "checkpoint.export_merged=false"]
+
+
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory, zoo_dirs):
-    """2-step smoke jobs, one multirun: fp32 on one rank, then on two; bf16 mixed precision, bf16 weights."""
+    """Smoke jobs, one multirun: fp32 on one rank, then on two; LoRA in bf16 on one and two ranks; full fine-tunes
+    with tiny updates in bf16 (fp32 master weights) on one and two ranks, and in pure bf16."""
     root = tmp_path_factory.mktemp("smoke")
     return multirun(root, {
         "fp32": [],
         "two": ["dist.nproc_per_node=2"],
-        "mixed": ["checkpoint.export_merged=false", "dist=fsdp2_local", "dist.mixed_precision=true"],
+        "bf16_two": ["checkpoint.export_merged=false", "dist=fsdp2_local", "train.dtype=bf16"],
         "bf16": ["checkpoint.export_merged=false", "train.dtype=bf16"],
+        "full_bf16": [*TINY_UPDATES, "train.dtype=bf16"],
+        "full_bf16_two": [*TINY_UPDATES, "train.dtype=bf16", "dist=fsdp2_local"],
+        "full_pure": [*TINY_UPDATES, "train.dtype=bf16_pure"],
     }, *SMOKE)
 
 
-def test_bf16_mixed_precision_and_bf16_weights_run(smoke):
-    """Numerics differ from fp32 by design; these runs must train and give a finite objective near it."""
+def test_bf16_runs_train_near_fp32(smoke):
+    """bf16 compute differs from fp32 by design; these runs must train and give a finite objective near it."""
     proc, dirs = smoke
     completed(proc)
-    for name in ("mixed", "bf16"):
+    for name in ("bf16_two", "bf16"):
         assert read_run(dirs[name])["objective"] == pytest.approx(read_run(dirs["fp32"])["objective"], abs=0.05), name
+        record = read_run(dirs[name])
+        assert record["precision"]["student_parameters"].keys() == {"frozen bfloat16", "trainable float32"}, name
+        assert record["teacher_targets"]["weights_dtype"] == ["bfloat16"], name
+
+
+def _checkpoint(run_dir):
+    """The step checkpoint's tensors (DCP, read whole) and the dtypes its metadata declares."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    ckpt = run_dir / "checkpoints" / "step_00000012"
+    declared = {k: str(m.properties.dtype) for k, m in FileSystemReader(ckpt).read_metadata().state_dict_metadata.items()
+                if hasattr(m, "properties")}
+    dcp_to_torch_save(ckpt, run_dir / "whole.pt")
+    return torch.load(run_dir / "whole.pt", weights_only=False), declared
+
+
+def test_a_bf16_full_fine_tune_keeps_fp32_master_weights_and_optimizer_state_and_pure_bf16_does_not(smoke, zoo_dirs):
+    """train.dtype=bf16 on one and two ranks: every trainable weight and both AdamW moments are fp32 in the
+    checkpoint (its DCP metadata says so), and 12 updates each far below bf16's resolution moved nearly every
+    weight by their sum; in bf16_pure the same updates round away and nearly every weight is as it was."""
+    from safetensors.torch import load_file
+
+    proc, dirs = smoke
+    completed(proc)
+    start = load_file(zoo_dirs["student"] / "model.safetensors")  # fp32, as the zoo built it
+    for name, master in (("full_bf16", "torch.float32"), ("full_bf16_two", "torch.float32"), ("full_pure", "torch.bfloat16")):
+        whole, declared = _checkpoint(dirs[name])
+        weights = {k: v for k, v in declared.items() if k.startswith("model.")}
+        moments = {k: v for k, v in declared.items() if k.endswith(("exp_avg", "exp_avg_sq"))}
+        assert weights and len(moments) == 2 * len(weights), name
+        assert set(weights.values()) == set(moments.values()) == {master}, (name, set(weights.values()))
+        moved, total, shift = 0, 0, []
+        for key, w in whole["model"].items():
+            w0 = start[key].to(w.dtype)
+            moved += int((w != w0).sum())
+            total += w.numel()
+            shift.append((w.float() - start[key]).abs().mean())
+        if master == "torch.float32":  # each update ~ lr: 12 of them, in fp32
+            assert moved / total > 0.9, (name, moved / total)
+            assert 0.3 * 12 * 2e-6 < float(torch.stack(shift).mean()) < 3 * 12 * 2e-6, name
+        else:
+            assert moved / total < 0.1, (name, moved / total)
+    assert read_run(dirs["full_pure"])["precision"]["student_parameters"] == {
+        "trainable bfloat16": sum(t.numel() for t in start.values())}
 
 
 BAD = {

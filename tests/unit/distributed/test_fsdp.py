@@ -14,14 +14,18 @@ def _rank(rank: int, model_dir: str, out_dir: str) -> None:
     env = detect()
     cfg = StudentConfig(path=model_dir, lora_rank=4, target_modules=("q_proj", "v_proj"))
     student = load_student(model_dir, cfg, "fp32", torch.device("cpu"), seed=0, env=env, dist_cfg=DistConfig())
-    teacher = load_teacher(model_dir, "fp32", torch.device("cpu"), env, DistConfig())
+    teacher = load_teacher(model_dir, "fp32", torch.device("cpu"), env, DistConfig(teacher_placement="world"))
+    replica = load_teacher(model_dir, "fp32", torch.device("cpu"), env, DistConfig(teacher_placement="replicate"))
     from torch.distributed.tensor import DTensor
 
     for name, p in list(student.named_parameters()) + list(teacher.named_parameters()):
         assert isinstance(p, DTensor), name
         assert p.to_local().numel() <= (p.numel() + 1) // 2 + p.shape[-1], name  # a half, not a copy
     assert not any(p.requires_grad for p in teacher.parameters())
+    assert not any(isinstance(p, DTensor) or p.requires_grad for p in replica.parameters())  # a whole frozen copy
     x = torch.arange(12).reshape(2, 6) % 20
+    with torch.no_grad():  # the replicated teacher is the sharded one, to every digit
+        assert torch.equal(replica(input_ids=x).logits, teacher(input_ids=x).logits)
     with torch.no_grad():
         logits = student(input_ids=x).logits
     for m in student.modules():

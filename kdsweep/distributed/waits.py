@@ -1,0 +1,141 @@
+"""What rank 0 alone may wait on, however long it takes, while no other rank sits inside a collective.
+
+A collective times out after ``dist.timeout_s`` (NCCL's watchdog then kills the job), so a peer must never wait in
+one while rank 0 waits on something else: a file lock another job holds for hours (the teacher cache's build), the
+first hash of a teacher's files, the sweep's shared baseline. :func:`from_rank0` runs such a step on rank 0 and
+hands its value to the other ranks through a file in a directory every node sees (``$KDSWEEP_CACHE/rendezvous``,
+which the master-port rendezvous already needs shared), which they poll: a file wait has no timeout, and each
+waiting rank says in its log, every minute, what it waits for. Rank 0 keeps a heartbeat beside the file while it
+works, so a peer whose rank 0 vanished without its launcher ending the job says so instead of waiting forever.
+
+Every rank calls :func:`from_rank0` at the same points in the same order, as it would a collective; each call has
+its own file, numbered within the process group (:func:`begin`, with a token rank 0 chose when the group formed).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import shutil
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+from kdsweep.distributed.env import DistEnv
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+SAY_EVERY_S = float(os.environ.get("KDSWEEP_WAIT_SAY_S") or 60.0)
+"""How often a waiting rank logs what it waits for (``KDSWEEP_WAIT_SAY_S``, default a minute)."""
+BEAT_S = 5.0
+STALE_S = 120.0
+"""A heartbeat unchanged for this long (by the waiting rank's own clock): rank 0 is gone."""
+
+
+class _Group:
+    token: str | None = None
+    seq: int = 0
+    root: Path | None = None
+
+
+_GROUP = _Group()
+
+
+def rendezvous_root() -> Path:
+    from kdsweep.data.cache import kdsweep_cache
+
+    return kdsweep_cache() / "rendezvous"
+
+
+def begin(env: DistEnv) -> None:
+    """A process group formed: rank 0 names its waits' directory (a collective, while every rank has just joined)."""
+    _GROUP.token = env.broadcast_object(uuid.uuid4().hex if env.is_main else None)
+    _GROUP.seq, _GROUP.root = 0, rendezvous_root() / f"waits-{_GROUP.token}"
+    if env.is_main:
+        _GROUP.root.mkdir(parents=True, exist_ok=True)
+
+
+def end(env: DistEnv) -> None:
+    """The process group is ending (every rank past its last wait): rank 0 removes the waits' files."""
+    if env.is_main and _GROUP.root is not None:
+        shutil.rmtree(_GROUP.root, ignore_errors=True)
+    _GROUP.token, _GROUP.root = None, None
+
+
+class _Heartbeat:
+    def __init__(self, path: Path) -> None:
+        self.path, self.stopped = path, threading.Event()
+        self.path.touch()
+        self.thread = threading.Thread(target=self._beat, daemon=True, name="kdsweep-rank0-heartbeat")
+        self.thread.start()
+
+    def _beat(self) -> None:
+        while not self.stopped.wait(BEAT_S):
+            try:
+                self.path.write_text(str(time.time()))
+            except OSError:
+                pass
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.thread.join()
+
+
+def _write_atomic(path: Path, payload: Any) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+    tmp.write_bytes(pickle.dumps(payload))
+    os.replace(tmp, path)
+
+
+def from_rank0(env: DistEnv, what: str, fn: Callable[[], T]) -> T:
+    """``fn()`` computed on rank 0 (taking as long as it takes), its value on every rank, with no rank inside a
+    collective meanwhile. ``what`` says what rank 0 does, for the waiting ranks' log lines ("hash the teacher's
+    files"). An error on rank 0 is raised on every rank."""
+    if not env.active:
+        return fn()
+    if _GROUP.root is None:  # a process group kdsweep did not form itself (a test's, a harness's): named now
+        begin(env)
+    _GROUP.seq += 1
+    path = _GROUP.root / f"{_GROUP.seq}.pickle"
+    beat = path.with_suffix(".alive")
+    if env.is_main:
+        heart = _Heartbeat(beat)
+        try:
+            value = fn()
+        except BaseException as e:
+            _write_atomic(path, ("error", f"{type(e).__name__}: {e}"))
+            raise
+        finally:
+            heart.stop()
+        _write_atomic(path, ("ok", value))
+        return value
+    return _wait(env, path, beat, what)
+
+
+def _wait(env: DistEnv, path: Path, beat: Path, what: str) -> Any:
+    began = last_said = time.time()
+    pause, seen, seen_at = 0.002, None, time.time()
+    while not path.exists():
+        time.sleep(pause)
+        pause = min(pause * 2, 0.5)
+        now = time.time()
+        try:
+            mark = beat.stat().st_mtime_ns
+        except FileNotFoundError:
+            mark = None  # rank 0 has not reached this wait yet: it is behind, not gone
+        if mark != seen:
+            seen, seen_at = mark, now
+        elif mark is not None and now - seen_at > STALE_S and not path.exists():
+            raise RuntimeError(f"rank 0 stopped answering while it was to {what} (its heartbeat {beat} has not "
+                               f"changed for {now - seen_at:.0f} s)")
+        if now - last_said >= SAY_EVERY_S:
+            last_said = now
+            log.info("rank %d: waiting %.0f s so far for rank 0 to %s", env.rank, now - began, what)
+    status, value = pickle.loads(path.read_bytes())
+    if status == "error":
+        raise RuntimeError(f"rank 0 failed to {what}: {value}")
+    return value

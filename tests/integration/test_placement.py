@@ -1,0 +1,119 @@
+"""Teacher placement in whole jobs on 2 simulated nodes × 2 ranks: the same numbers, the bytes the formula says.
+
+Four ranks spawned on this machine count as 2 nodes of 2 (``KDSWEEP_TEST_RANKS_PER_NODE=2``: a rank's node is
+rank // 2, so ``node`` runs its real 2-D mesh and its collectives over real gloo groups). ``auto`` decides from
+``dist.device_memory_gb``: a budget that holds the teacher replicates it, one that does not shards it per node;
+two teachers are placed one after the other. Every placement trains to the same objective and metrics rows
+(1e-6), and a step's counted teacher all-gather bytes are 0 replicated, the within-node share per node and the
+whole-world share sharded over the world, each the formula from the teacher's own parameters. The teacher cache
+built with a replicated teacher equals, to every byte, the one built with a sharded teacher.
+"""
+
+import math
+
+import pytest
+from safetensors.torch import load_file
+
+from conftest import read_metrics, read_run
+from test_multirank import completed, multirun
+
+pytestmark = pytest.mark.slow
+
+STEPS = 3
+COMMON = [f"train.max_steps={STEPS}", f"train.eval_every={STEPS}", "checkpoint.save_every=0",
+          "checkpoint.export_adapter=false", "checkpoint.export_merged=false", "logger=quiet"]
+FOUR = ["dist=fsdp2_local", "dist.nproc_per_node=4", "data.micro_batch_size=2"]  # 16 rows: 2 micro-batches a rank
+TWO_TEACHERS = ["teachers=[{zoo:tiny-teacher,weight:1},{zoo:tiny-teacher,weight:3}]"]
+MICRO_BATCHES = 2
+
+
+@pytest.fixture(scope="module")
+def placed(tmp_path_factory, zoo_dirs, monkeypatch_module):
+    root = tmp_path_factory.mktemp("placement")
+    monkeypatch_module.setenv("KDSWEEP_TEST_RANKS_PER_NODE", "2")  # the jobs' processes read it
+    cache = ["dist=fsdp2_local", "teacher.logits=cache", "teacher.cache.method=topk"]
+    proc, dirs = multirun(root, {
+        "auto_fits": [*FOUR, "dist.device_memory_gb=100"],
+        "auto_exceeds": [*FOUR, "dist.device_memory_gb=0.001"],
+        "world": [*FOUR, "dist.teacher_placement=world"],
+        # a budget for one teacher beside the student (9 MB usable; each teacher 5.3 MB, the student 1 MB a rank)
+        "two_auto": [*FOUR, *TWO_TEACHERS, "dist.device_memory_gb=0.012"],
+        "two_world": [*FOUR, *TWO_TEACHERS, "dist.teacher_placement=world"],
+        "cache_replicated": [*cache, "dist.teacher_placement=replicate", f"teacher.cache.dir={root / 'cache_r'}"],
+        "cache_sharded": [*cache, "dist.teacher_placement=world", f"teacher.cache.dir={root / 'cache_s'}"],
+    }, *COMMON)
+    return completed(proc), dirs, root
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def same_rows(a, b, tol=1e-6):
+    ra, rb = read_metrics(a), read_metrics(b)
+    assert [(r["kind"], r["step"]) for r in ra] == [(r["kind"], r["step"]) for r in rb]
+    for x, y in zip(ra, rb):
+        for key in ("loss", "ce", "kd", "kl", "grad_norm", "student_ce", "teacher_ce"):
+            if key in x:
+                assert x[key] == pytest.approx(y[key], abs=tol), (x["kind"], x["step"], key)
+    assert read_run(a)["objective"] == pytest.approx(read_run(b)["objective"], abs=tol)
+
+
+def gathered_per_step(weights: dict, n: int) -> float:
+    """A step's all-gather bytes a rank receives for a model sharded over ``n`` ranks: per micro-batch, every
+    parameter once (its rows padded to a multiple of ``n``), ``(n-1)/n`` of it from the others."""
+    padded = sum(math.ceil(w.shape[0] / n) * n * (w.numel() // w.shape[0]) * w.element_size() for w in weights.values())
+    return MICRO_BATCHES * padded * (n - 1) / n
+
+
+def train_rows(run_dir):
+    return [r for r in read_metrics(run_dir) if r["kind"] == "train"]
+
+
+def test_every_placement_trains_the_same_and_auto_takes_each_side_of_its_budget(placed):
+    _, dirs, _ = placed
+    how = {name: read_run(dirs[name])["placement"]["teacher"] for name in ("auto_fits", "auto_exceeds", "world")}
+    assert {k: (v["placement"], v["sharded_over"], v["nodes"]) for k, v in how.items()} == {
+        "auto_fits": ("replicate", 1, 2), "auto_exceeds": ("node", 2, 2), "world": ("world", 4, 2)}
+    assert "fit" in how["auto_fits"]["why"] and "exceed" in how["auto_exceeds"]["why"]
+    same_rows(dirs["auto_fits"], dirs["world"])
+    same_rows(dirs["auto_exceeds"], dirs["world"])
+    two = read_run(dirs["two_auto"])["placement"]["teacher"]
+    assert [t["placement"] for t in two] == ["replicate", "node"]  # each on its own, the first counted for the second
+    same_rows(dirs["two_auto"], dirs["two_world"])
+
+
+def test_a_steps_teacher_all_gathers_are_none_the_node_share_or_the_world_share(placed, zoo_dirs):
+    _, dirs, _ = placed
+    teacher = load_file(zoo_dirs["teacher"] / "model.safetensors")
+    student_rs = {name: [r["comm/student/reduce_scatter"] for r in train_rows(dirs[name])]
+                  for name in ("auto_fits", "auto_exceeds", "world")}
+    for name, n in (("auto_fits", 0), ("auto_exceeds", 2), ("world", 4)):
+        for row in train_rows(dirs[name]):
+            got = row.get("comm/teacher/all_gather", 0)
+            want = gathered_per_step(teacher, n) if n else 0
+            assert got == pytest.approx(want, abs=20), (name, row["step"])
+        per_step = read_run(dirs[name])["comm"]["per_step"].get("teacher", {})
+        if n == 2:  # within a node: none of it crosses between nodes
+            assert per_step["all_gather"]["cross_node_bytes"] == 0
+        if n == 4:
+            assert per_step["all_gather"]["cross_node_bytes"] == per_step["all_gather"]["bytes"]
+        assert student_rs[name] == student_rs["world"]  # the student's gradients move alike, whatever the teacher's
+    for row in train_rows(dirs["two_auto"]):  # the replicated first teacher moves nothing, the second its node share
+        assert "comm/teacher/all_gather" not in row
+        assert row["comm/teacher1/all_gather"] == pytest.approx(gathered_per_step(teacher, 2), abs=20)
+
+
+def test_the_cache_built_with_a_replicated_teacher_equals_the_sharded_build_byte_for_byte(placed):
+    _, dirs, root = placed
+    records = {name: read_run(dirs[name]) for name in ("cache_replicated", "cache_sharded")}
+    assert records["cache_replicated"]["placement"]["teacher"]["placement"] == "replicate"
+    assert records["cache_sharded"]["placement"]["teacher"]["placement"] == "world"
+    built = {name: next((root / f"cache_{name[6]}").glob("*/meta.json")).parent for name in records}
+    files = {name: sorted(p.name for p in d.iterdir() if p.name != "meta.json") for name, d in built.items()}
+    assert files["cache_replicated"] == files["cache_sharded"] and files["cache_replicated"]
+    for name in files["cache_replicated"]:
+        assert (built["cache_replicated"] / name).read_bytes() == (built["cache_sharded"] / name).read_bytes(), name
+    same_rows(dirs["cache_replicated"], dirs["cache_sharded"], tol=0)

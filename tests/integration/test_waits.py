@@ -1,0 +1,99 @@
+"""No rank waits inside a collective for another rank's I/O: what rank 0 alone waits on takes as long as it takes.
+
+Two 2-rank jobs started together need the same teacher cache, not built yet, with ``dist.timeout_s`` far below the
+build's time: one builds it, the other's rank 0 waits on the build's lock and its rank 1 waits for rank 0's word
+in a file, not in a collective, so both complete (before, the waiting job died in ``broadcast_object`` after
+``dist.timeout_s``). The same with a teacher whose first hash takes longer than the timeout, and as a Hydra grid on
+the SLURM cluster. Waiting ranks say so in their logs (``KDSWEEP_WAIT_SAY_S``: every second here, a minute by
+default).
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import QUIET, kdsweep, read_run
+
+pytestmark = pytest.mark.slow
+
+TIMEOUT_S = 3
+JOB = ["dist=fsdp2_local", f"dist.timeout_s={TIMEOUT_S}", "train=smoke", "train.max_steps=2",
+       "checkpoint.export_merged=false", *QUIET]
+# every training row of the cache (not just a seed's): both jobs need the same one, and its pass takes seconds
+CACHE = ["teacher.logits=cache", "teacher.cache.rows=all"]
+SAY = {"KDSWEEP_WAIT_SAY_S": "1"}
+
+
+def _start(args, cwd, env=None):
+    return subprocess.Popen([sys.executable, "-m", "kdsweep", *args], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+
+
+def _longest_wait(log: str, what: str) -> float:
+    """The longest wait a rank said it had so far for ``what``."""
+    waits = [float(s) for s in re.findall(rf"waiting (\d+) s so far for rank 0 to {what}", log)]
+    waits += [float(s) for s in re.findall(r"another job is building it .*; waited (\d+) s so far", log)]
+    return max(waits, default=0.0)
+
+
+@pytest.fixture(scope="module")
+def two_jobs_one_cache(tmp_path_factory, zoo_dirs):
+    root = tmp_path_factory.mktemp("two_jobs")
+    cache = root / "teacher_cache"
+    procs = {name: _start([*JOB, *CACHE, f"teacher.cache.dir={cache}", f"hydra.run.dir={root / name}"], root, SAY)
+             for name in ("a", "b")}
+    outs = {name: p.communicate(timeout=600) for name, p in procs.items()}
+    return root, procs, outs
+
+
+def assert_one_built_and_one_waited(run_dirs, same_run=True):
+    """Of two completed jobs, one built the cache (longer than a collective may wait) and the other read it after
+    its rank 0 waited on the build's lock and its rank 1 on rank 0's word, both longer than the timeout."""
+    records = {d: read_run(d) for d in run_dirs}
+    assert all(r["status"] == "completed" and r["world_size"] == 2 for r in records.values()), records
+    built = [d for d, r in records.items() if r["teacher_targets"]["built"]]
+    assert len(built) == 1, records
+    (waiter,) = set(run_dirs) - set(built)
+    assert records[built[0]]["teacher_targets"]["build"]["seconds"] > TIMEOUT_S
+    rank0, rank1 = (waiter / "kdsweep.log").read_text(), (waiter / "logs" / "rank1.log").read_text()
+    assert _longest_wait(rank1, "take the build lock") >= TIMEOUT_S, rank1[-3000:]
+    assert _longest_wait(rank0, "") >= TIMEOUT_S and "another job is building it" in rank0, rank0[-3000:]
+    assert records[waiter]["teacher_targets"]["dir"] == records[built[0]]["teacher_targets"]["dir"]
+    if same_run:
+        assert records[waiter]["objective"] == pytest.approx(records[built[0]]["objective"], abs=1e-6)
+
+
+def test_two_jobs_needing_one_unbuilt_cache_both_complete_one_built_it_the_other_waited(two_jobs_one_cache):
+    root, procs, outs = two_jobs_one_cache
+    for name, p in procs.items():
+        assert p.returncode == 0, (name, outs[name][1][-3000:])
+    assert_one_built_and_one_waited([root / name for name in procs])
+
+
+def test_a_first_hash_of_the_teacher_longer_than_the_timeout_is_waited_for(tmp_path, zoo_dirs):
+    teacher = tmp_path / "teacher"
+    teacher.mkdir()
+    for f in zoo_dirs["teacher"].iterdir():
+        if f.is_file():
+            os.link(f, teacher / f.name)
+    with open(teacher / "padding.bin", "wb") as f:  # 2 GB the hash reads (sparse on disk): seconds, whatever the disk
+        f.truncate(2 * 2**30)
+    run_dir = tmp_path / "run"
+    proc = _start([*JOB, f"teacher.path={teacher}", f"hydra.run.dir={run_dir}"], tmp_path, SAY)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    assert read_run(run_dir)["status"] == "completed"
+    assert _longest_wait((run_dir / "logs" / "rank1.log").read_text(), "hash the teacher's files") >= TIMEOUT_S
+
+
+@pytest.mark.usefixtures("slurm_cluster")
+def test_a_slurm_grid_of_two_jobs_needing_one_unbuilt_cache_completes(tmp_path, zoo_dirs):
+    sweep = tmp_path / "sweep"
+    proc = kdsweep("-m", "train.seed=0,1", "hydra/launcher=submitit_slurm", "cluster=local_cpu", "train.threads=1",
+                   *JOB[1:], *CACHE, f"teacher.cache.dir={tmp_path / 'cache'}", f"hydra.sweep.dir={sweep}",
+                   cwd=tmp_path, check=False, env_extra=SAY)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_one_built_and_one_waited([sweep / "0", sweep / "1"], same_run=False)  # two seeds, one cache of all rows
