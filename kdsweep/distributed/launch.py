@@ -79,6 +79,11 @@ def spawn(fn: Callable[..., Any], args: tuple, cfg: DistConfig, run_dir: Path | 
         start_method="spawn",
     )
     os.environ[LOCAL_RANKS] = "1"  # the ranks inherit it: they know dist.nproc_per_node started them, not torchrun
+    # a rank that ends itself after a failure (distributed.failure) leaves the launcher's semaphores to the resource
+    # tracker, which would print a warning below the job's one line
+    quiet = "ignore:::multiprocessing.resource_tracker"
+    if quiet not in os.environ.get("PYTHONWARNINGS", ""):
+        os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), quiet]))
     agent_log = logging.getLogger("torch.distributed.elastic")
     level = agent_log.level
     agent_log.setLevel(logging.CRITICAL)  # its report of a failed rank is a table and a traceback: the line says it

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from conftest import QUIET, kdsweep, read_metrics, read_run
@@ -38,12 +39,19 @@ def assert_same_run(a, b, tol=1e-5):
     assert read_run(a)["objective"] == pytest.approx(read_run(b)["objective"], abs=tol)
 
 
+def _is_group(key):
+    from kdsweep.app import conf_dir
+
+    return "." not in key and (Path(conf_dir()) / key).is_dir()
+
+
 def _case_config(overrides):
-    """A ``# @package _global_`` option that sets what OVERRIDES set (``group=option`` as ``override /group``)."""
+    """A ``# @package _global_`` option that sets what OVERRIDES set (``group=option`` as ``override /group``; a
+    top-level knob or list, ``lr=...`` or ``teachers=[...]``, as a value)."""
     defaults, body = [], {}
     for o in overrides:
         key, value = o.split("=", 1)
-        if "." not in key:
+        if _is_group(key):
             defaults.append({f"override /{key}": value})
             continue
         *parents, leaf = key.split(".")
@@ -62,12 +70,16 @@ def _assert_applied(run_dir, overrides):
     values = {}
     for o in overrides:
         key, value = o.split("=", 1)
-        if "." not in key:  # a group option: the values its file sets, unless a dotted override of the case changes one
+        if _is_group(key):  # a group option: the values its file sets, unless a dotted override of the case changes one
             option = yaml.safe_load((Path(conf_dir()) / key / f"{value}.yaml").read_text())
+            if "dist" in option and key == "dist":  # a preset of the global package (fsdp2_gpu_bf16)
+                option = option["dist"]
             values.update({f"{key}.{k}": v for k, v in option.items() if k != "defaults"})
-    values.update({k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in overrides) if "." in k})
+    values.update({k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in overrides) if not _is_group(k)})
     config = read_run(run_dir)["config"]
     for key, value in values.items():
+        if isinstance(value, str) and value.startswith("${"):  # an option's interpolation: resolved in the record
+            continue
         node = config
         for part in key.split("."):
             node = node[part]
@@ -225,12 +237,12 @@ def test_fused_loss_matches_dense(fused, options):
 
 
 TOO_MANY = len(os.sched_getaffinity(0)) + 1
-SMOKE = ["train=smoke", "train.max_steps=2", *QUIET]
+TWO_STEPS = "train.max_steps=2"
 
 
 # a full fine-tune whose every AdamW update (about lr) is far below half of bf16's resolution at the embedded
 # student's weights (|w| ~ 0.02: half a unit in the last place is 6e-5): 12 of them accumulate in fp32 master weights
-TINY_UPDATES = ["lora_rank=0", "lr=2e-6", "optim=adamw_constant", "optim.warmup_steps=0", "train.max_steps=12",
+TINY_UPDATES = ["lora_rank=0", "lr=2.0e-6", "optim=adamw_constant", "optim.warmup_steps=0", "train.max_steps=12",
                 "train.eval_every=12", "checkpoint.save_every=12", "checkpoint.export_adapter=false",
                 "checkpoint.export_merged=false"]
 
@@ -241,14 +253,14 @@ def smoke(tmp_path_factory, zoo_dirs):
     with tiny updates in bf16 (fp32 master weights) on one and two ranks, and in pure bf16."""
     root = tmp_path_factory.mktemp("smoke")
     return multirun(root, {
-        "fp32": [],
-        "two": ["dist.nproc_per_node=2"],
-        "bf16_two": ["checkpoint.export_merged=false", "dist=fsdp2_local", "train.dtype=bf16"],
-        "bf16": ["checkpoint.export_merged=false", "train.dtype=bf16"],
+        "fp32": [TWO_STEPS],
+        "two": [TWO_STEPS, "dist.nproc_per_node=2"],
+        "bf16_two": [TWO_STEPS, "checkpoint.export_merged=false", "dist=fsdp2_local", "train.dtype=bf16"],
+        "bf16": [TWO_STEPS, "checkpoint.export_merged=false", "train.dtype=bf16"],
         "full_bf16": [*TINY_UPDATES, "train.dtype=bf16"],
         "full_bf16_two": [*TINY_UPDATES, "train.dtype=bf16", "dist=fsdp2_local"],
         "full_pure": [*TINY_UPDATES, "train.dtype=bf16_pure"],
-    }, *SMOKE)
+    }, "train=smoke", *QUIET)
 
 
 def test_bf16_runs_train_near_fp32(smoke):
@@ -295,11 +307,13 @@ def test_a_bf16_full_fine_tune_keeps_fp32_master_weights_and_optimizer_state_and
             moved += int((w != w0).sum())
             total += w.numel()
             shift.append((w.float() - start[key]).abs().mean())
+        # measured: 91% moved by 0.57 x 12 lr on average in fp32 (the embeddings of tokens no step read get no
+        # gradient), 1.5% in pure bf16 (the weights small enough for bf16 to resolve 2e-6)
         if master == "torch.float32":  # each update ~ lr: 12 of them, in fp32
-            assert moved / total > 0.9, (name, moved / total)
-            assert 0.3 * 12 * 2e-6 < float(torch.stack(shift).mean()) < 3 * 12 * 2e-6, name
+            assert moved / total > 0.8, (name, moved / total)
+            assert 0.3 * 12 * 2e-6 < float(torch.stack(shift).mean()) < 1.5 * 12 * 2e-6, name
         else:
-            assert moved / total < 0.1, (name, moved / total)
+            assert moved / total < 0.05, (name, moved / total)
     assert read_run(dirs["full_pure"])["precision"]["student_parameters"] == {
         "trainable bfloat16": sum(t.numel() for t in start.values())}
 

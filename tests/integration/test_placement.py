@@ -23,7 +23,7 @@ STEPS = 3
 COMMON = [f"train.max_steps={STEPS}", f"train.eval_every={STEPS}", "checkpoint.save_every=0",
           "checkpoint.export_adapter=false", "checkpoint.export_merged=false", "logger=quiet"]
 FOUR = ["dist=fsdp2_local", "dist.nproc_per_node=4", "data.micro_batch_size=2"]  # 16 rows: 2 micro-batches a rank
-TWO_TEACHERS = ["teachers=[{zoo:tiny-teacher,weight:1},{zoo:tiny-teacher,weight:3}]"]
+TWO_TEACHERS = ["teachers=[{zoo: tiny-teacher, weight: 1}, {zoo: tiny-teacher, weight: 3}]"]
 MICRO_BATCHES = 2
 
 

@@ -77,8 +77,11 @@ def failed_workers(tmp_path_factory, zoo_dirs):
         killed.code = proc.returncode
         result = done.result()
         raised.code, raised.out, raised.err = result.returncode, result.stdout, result.stderr
-        raised.failed_at = json.loads((raised.sweep / "0" / "logs" / "rank1.failure.json").read_text())["time"] \
-            if (raised.sweep / "0" / "logs" / "rank1.failure.json").exists() else None
+        # when rank 1 failed: the mark it logged before it refused every collective (its failure record is gone with
+        # the retry's start: a record is of the last attempt)
+        marks = [e for (rank, _), entries in _logs(raised.collectives).items() if rank == 1 for e in entries
+                 if e["phase"] == "failed"]
+        raised.failed_at, raised.mark = (marks[0]["t"], marks[0]["reason"]) if len(marks) == 1 else (None, marks)
     return runs
 
 
@@ -116,19 +119,20 @@ def test_no_rank_completes_or_starts_a_new_collective_after_the_failure(failed_w
         assert len(starts) <= 1 and not [e for e in after if e["phase"] == "end"], (rank, after)
         if how == "raised" and rank == 1:  # the failing rank itself: nothing after its error, only its failure mark
             assert not starts and entries[-1]["phase"] == "failed", entries[-3:]
-    if how == "raised":
-        failure = json.loads((run.sweep / "0" / "logs" / "rank1.failure.json").read_text())
-        assert failure["doing"] == f"training step {FAIL_AT}" and not failure["peer_lost"]
+    if how == "raised":  # the retry's reason is rank 1's own error, not rank 0's lost peer
+        assert run.mark == f"rank 1 failed while training step {FAIL_AT}"
+        retry = next(line for line in (run.out + run.err).splitlines() if "restarting it" in line)
+        assert f"rank 1 (" in retry and f"failed while training step {FAIL_AT}: RuntimeError: injected" in retry, retry
 
 
 def test_a_plain_job_whose_rank_fails_ends_in_one_line_with_the_traceback_in_that_ranks_log(tmp_path, zoo_dirs):
     run_dir = tmp_path / "run"
     proc = kdsweep("dist=fsdp2_local", "train=smoke", "checkpoint.export_merged=false", *QUIET,
                    f"hydra.run.dir={run_dir}", cwd=tmp_path, check=False, env_extra={"KDSWEEP_TEST_RAISE_AT": "1:3"})
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-3000:]
-    assert lines[0].startswith("kdsweep: error: rank 1 (") and "failed while training step 3: RuntimeError: injected" \
-        in lines[0] and str(run_dir / "logs" / "rank1.log") in lines[0], lines[0]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("kdsweep: error:")]
+    assert proc.returncode == 1 and len(errors) == 1 and proc.stderr.strip().splitlines()[-1] == errors[0], proc.stderr
+    assert errors[0].startswith("kdsweep: error: rank 1 (") and "failed while training step 3: RuntimeError: injected" \
+        in errors[0] and str(run_dir / "logs" / "rank1.log") in errors[0], errors[0]
     assert "Traceback" not in proc.stderr + proc.stdout
     assert "Traceback" in (run_dir / "logs" / "rank1.log").read_text()
     assert read_run(run_dir)["status"] in ("interrupted", "running")  # rank 0 lost its peer: not its own failure
