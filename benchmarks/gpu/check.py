@@ -12,14 +12,20 @@ every check, so whatever ran is kept if the machine is taken back. The checks:
    alongside), on the GPU in fp32 (objective within 1e-3 relative of the CPU's), with bf16 weights
    (``train.dtype=bf16``, within 2%), with activation checkpointing, with ``dist.compile=true`` (the first
    step's extra time is the compile) and with the ``dist=fsdp2_gpu_bf16`` preset as a one-GPU job takes it.
-3. ``fsdp``: a one-rank NCCL process group and FSDP2 on the GPU (kdsweep's own sharding), in fp32 and with bf16
-   mixed precision (``dist.mixed_precision``: only a sharded model has it), against the unsharded model.
-4. ``real_shapes``: a Llama-3.1-8B-shaped teacher and a Llama-3.2-1B-shaped student (random weights, bf16,
+3. ``fsdp``: a one-rank NCCL process group and FSDP2 on the GPU (kdsweep's own sharding), in fp32 and with
+   ``train.dtype=bf16`` (fp32 master shards, bf16 compute by FSDP2's mixed precision), against the unsharded model.
+4. ``placement``: what ``dist.teacher_placement=auto`` decides on this device for the 8B teacher beside the 1B
+   student (8 GPUs a node), and the 8B-shaped teacher's forward replicated against sharded by FSDP2 on one rank,
+   with its collectives counted (``kdsweep.distributed.comm``).
+5. ``precision``: a full fine-tune of the 1B-shaped student in ``train.dtype=bf16`` (fp32 master weights and AdamW
+   state, autocast) and ``bf16_pure``: step time, peak memory, dtypes, and how many weights updates of 1e-5 moved.
+6. ``real_shapes``: a Llama-3.1-8B-shaped teacher and a Llama-3.2-1B-shaped student (random weights, bf16,
    sequence 2048, vocabulary 128,256), LoRA rank 64 and full fine-tune, ``loss.impl`` chunked and fused: tokens/s,
    step time, peak memory and MFU of ``train_step``; and the loss alone (the output layer and the KD loss, forward
-   and backward) of chunked vs fused: its peak memory and time.
-5. ``max_micro_batch``: the largest micro-batch that fits, chunked vs fused (LoRA).
-6. ``teacher_cache``: the cache's build throughput (teacher tokens/s) with the 8B teacher, and a cached LoRA
+   and backward) of chunked vs fused: its peak memory and time. Each arm's peak beside what
+   ``benchmarks/gpu/memory.py`` (the README's memory table) predicts for it.
+7. ``max_micro_batch``: the largest micro-batch that fits, chunked vs fused (LoRA).
+8. ``teacher_cache``: the cache's build throughput (teacher tokens/s) with the 8B teacher, and a cached LoRA
    trial's step time on the same shapes.
 
 FLOPs (stated in the JSON): a linear layer costs 2 FLOPs per weight per token forward; attention 4 × layers × seq
@@ -52,7 +58,8 @@ import processes  # noqa: E402  (benchmarks/gpu/processes.py: the whole-process 
 import shapes  # noqa: E402  (benchmarks/gpu/shapes.py: the in-process model checks)
 
 TOTAL_S = 480.0
-BUDGETS = {"peak_matmul": 20, "embedded": 200, "fsdp": 45, "real_shapes": 120, "max_micro_batch": 60, "teacher_cache": 45}
+BUDGETS = {"peak_matmul": 20, "embedded": 165, "fsdp": 40, "placement": 35, "precision": 40, "real_shapes": 110,
+           "max_micro_batch": 40, "teacher_cache": 35}
 
 
 class Report:
@@ -140,6 +147,8 @@ def main() -> None:
         "peak_matmul": peak_matmul,
         "embedded": lambda b: processes.embedded(work, dry, b),
         "fsdp": lambda b: fsdp_check.fsdp(device, b),
+        "placement": lambda b: fsdp_check.placement(sizes, device, b),
+        "precision": lambda b: shapes.precision(sizes, device, b),
         "real_shapes": lambda b: shapes.real_shapes(sizes, device, peak.get("flops"), b),
         "max_micro_batch": lambda b: shapes.max_micro_batch(sizes, device, b),
         "teacher_cache": lambda b: shapes.teacher_cache(sizes, device, work, b),

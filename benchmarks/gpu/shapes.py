@@ -4,6 +4,7 @@ on the GPU, tiny ones in the dry run. Nothing is downloaded."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 import time
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from budget import Budget
+from memory import per_rank
 
 LLAMA_31_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
                "num_key_value_heads": 8, "rope_theta": 500000.0, "tie_word_embeddings": False}
@@ -118,14 +120,17 @@ def teacher(sizes: Sizes, device: torch.device) -> nn.Module:
     return _TEACHER["model"]
 
 
-def student(sizes: Sizes, device: torch.device, lora: bool) -> nn.Module:
-    """The student as ``load_student`` makes it: kdsweep's LoRA wrapping (all-linear) or fully trainable."""
+def student(sizes: Sizes, device: torch.device, lora: bool, dtype: torch.dtype | None = None) -> nn.Module:
+    """The student as ``load_student`` makes it: kdsweep's LoRA wrapping (all-linear) or fully trainable (its
+    weights in ``dtype``: the check's own by default; fp32 for a full fine-tune's master weights)."""
+    from dataclasses import replace
+
     from kdsweep.config.schema import StudentConfig
     from kdsweep.models.load import student_wrapper
 
     rank = sizes.lora_rank if lora else 0
     cfg = StudentConfig(zoo="tiny-student", lora_rank=rank, lora_alpha=2.0 * max(rank, 1))
-    return student_wrapper(cfg, seed=0)(llama(sizes.student, sizes, device))
+    return student_wrapper(cfg, seed=0)(llama(sizes.student, replace(sizes, dtype=dtype or sizes.dtype), device))
 
 
 def rows(n: int, sizes: Sizes, seed: int = 0):
@@ -166,8 +171,9 @@ def loss_cfg(impl: str):
 
 
 def timed_steps(model: nn.Module, source: Any, data, sizes: Sizes, impl: str, device: torch.device,
-                micro_batch: int, steps: tuple[int, int]) -> dict[str, Any]:
-    """``train_step`` as the loop runs it (AdamW, kdsweep's schedule): warm-up steps, then the median of the timed."""
+                micro_batch: int, steps: tuple[int, int], compute: Any = contextlib.nullcontext) -> dict[str, Any]:
+    """``train_step`` as the loop runs it (AdamW, kdsweep's schedule; under ``compute()``, as a trial's
+    ``compute``: autocast for an unsharded ``train.dtype=bf16`` student): warm-up steps, then the median of the timed."""
     from kdsweep.config.schema import OptimConfig
     from kdsweep.distributed import single_process
     from kdsweep.train import schedule
@@ -183,15 +189,19 @@ def timed_steps(model: nn.Module, source: Any, data, sizes: Sizes, impl: str, de
         batch = data.batch(idx).to(device)
         sync(device)
         t0 = time.perf_counter()
-        stats = train_step(model, source, [batch], optimizer, scheduler, loss_cfg=loss_cfg(impl), max_grad_norm=1.0,
-                           dist=single_process())
+        with compute():
+            stats = train_step(model, source, [batch], optimizer, scheduler, loss_cfg=loss_cfg(impl), max_grad_norm=1.0,
+                               dist=single_process())
         sync(device)
         times.append(time.perf_counter() - t0)
     step_s = statistics.median(times[warmup:])
     tokens = micro_batch * sizes.seq
+    state = sorted({str(v.dtype).removeprefix("torch.") for s in optimizer.state.values() for k, v in s.items()
+                    if k in ("exp_avg", "exp_avg_sq")})
     del optimizer
     return {"step_s": round(step_s, 4), "first_step_s": round(times[0], 3), "tokens_per_s": round(tokens / step_s),
-            "peak_mem_gb": peak_gb(device, 0), "peak_above_models_gb": peak_gb(device, base), "loss": stats.loss}
+            "peak_mem_gb": peak_gb(device, 0), "peak_above_models_gb": peak_gb(device, base), "loss": stats.loss,
+            "adamw_state_dtypes": state}
 
 
 def live(model: nn.Module, impl: str):
@@ -218,7 +228,13 @@ def real_shapes(sizes: Sizes, device: torch.device, peak_flops: float | None, bu
             r = timed_steps(s, live(t, impl), data, sizes, impl, device, sizes.micro_batch,
                             (sizes.warmup_steps, sizes.timed_steps))
             flops = step_flops(sizes, adapter, lora, sizes.micro_batch * sizes.seq)
-            r.update(status="ok", flops_per_step=flops, trainable_params=sum(p.numel() for p in s.parameters() if p.requires_grad))
+            # what benchmarks/gpu/memory.py (the README's table) predicts for this arm: one rank, no activation
+            # checkpointing, LoRA adapters in fp32 over the bf16 base, a full fine-tune all in bf16 here
+            predicted = per_rank(sizes.teacher, sizes.student, sizes.vocab, lora_rank=sizes.lora_rank if lora else 0,
+                                 seq=sizes.seq, micro_batch=sizes.micro_batch, activation_checkpointing=False, loss=impl,
+                                 pure_bf16=not lora)
+            r.update(status="ok", flops_per_step=flops, trainable_params=sum(p.numel() for p in s.parameters() if p.requires_grad),
+                     predicted_peak_gib=round(predicted.total / 2**30, 3), predicted=predicted.row())
             if peak_flops:
                 r["mfu"] = round(flops / r["step_s"] / peak_flops, 4)
                 r["mfu_causal"] = round(step_flops(sizes, adapter, lora, sizes.micro_batch * sizes.seq, causal=True)
@@ -228,9 +244,9 @@ def real_shapes(sizes: Sizes, device: torch.device, peak_flops: float | None, bu
             free(device)
             print(f"   {name}: {r['step_s'] * 1e3:.1f} ms/step, {r['tokens_per_s']} tokens/s, MFU {r.get('mfu')}", flush=True)
     loss = loss_alone(sizes, t, device, budget)
-    rows_out = [f"{n}: {a['step_s'] * 1e3:.0f} ms/step, {a['tokens_per_s']} tok/s, peak {a['peak_mem_gb']} GB, "
-                f"MFU {a.get('mfu')} (causal {a.get('mfu_causal')})" if a.get("status") == "ok" else f"{n}: {a['status']}"
-                for n, a in arms.items()]
+    rows_out = [f"{n}: {a['step_s'] * 1e3:.0f} ms/step, {a['tokens_per_s']} tok/s, peak {a['peak_mem_gb']} GiB "
+                f"(predicted {a['predicted_peak_gib']}), MFU {a.get('mfu')} (causal {a.get('mfu_causal')})"
+                if a.get("status") == "ok" else f"{n}: {a['status']}" for n, a in arms.items()]
     rows_out.append(f"loss alone at micro-batch {sizes.micro_batch}: fused/chunked memory {loss.get('memory_ratio')}, "
                     f"time {loss.get('time_ratio')}")
     lora = arms.get("lora_chunked", {})
@@ -239,6 +255,36 @@ def real_shapes(sizes: Sizes, device: torch.device, peak_flops: float | None, bu
                       "dtype": str(sizes.dtype)},
             "peak_flops_per_s": peak_flops, "arms": arms, "loss_alone": loss, "rows": rows_out,
             "summary": f"LoRA chunked MFU {lora.get('mfu')}, {lora.get('tokens_per_s')} tokens/s"}
+
+
+def precision(sizes: Sizes, device: torch.device, budget: Budget) -> dict[str, Any]:
+    """A full fine-tune of the 1B-shaped student as ``train.dtype=bf16`` trains it (fp32 master weights and AdamW
+    state, bf16 compute through autocast) and as ``bf16_pure`` (bf16 weights and state): step time, peak memory, the
+    dtypes of the weights and of AdamW's moments, and how many of a matrix's weights updates of 1e-5 moved."""
+    from kdsweep.models.precision import Precision
+
+    budget.need(20, "building the teacher")
+    t = teacher(sizes, device)
+    data = rows(2 * sizes.micro_batch, sizes)
+    out: dict[str, Any] = {}
+    for name, dtype in (("bf16", torch.float32), ("bf16_pure", torch.bfloat16)):
+        if budget.left() < 10:
+            out[name] = {"status": "skipped: the check's budget is spent"}
+            continue
+        s = student(sizes, device, lora=False, dtype=dtype)
+        watched = next(p for n, p in s.named_parameters() if "q_proj" in n)
+        before = watched.detach().clone()
+        r = timed_steps(s, live(t, "fused"), data, sizes, "fused", device, sizes.micro_batch,
+                        (sizes.warmup_steps, sizes.timed_steps), compute=lambda: Precision(name).autocast(device, False))
+        r.update(status="ok", weights_dtype=str(watched.dtype).removeprefix("torch."),
+                 moved_fraction=round(float((watched.detach() != before).float().mean()), 4))
+        out[name] = r
+        del s, watched, before
+        free(device)
+    rows_out = [f"{n}: {a['step_s'] * 1e3:.0f} ms/step, peak {a['peak_mem_gb']} GB, weights {a['weights_dtype']}, AdamW "
+                f"{'/'.join(a['adamw_state_dtypes'])}, moved {a['moved_fraction']:.1%}" if a.get("status") == "ok"
+                else f"{n}: {a['status']}" for n, a in out.items()]
+    return {"arms": out, "rows": rows_out, "summary": "full fine-tune: fp32 master (bf16) vs pure bf16"}
 
 
 class _HeadOnly(nn.Module):

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 GPU = REPO / "benchmarks" / "gpu"
-CHECKS = ["peak_matmul", "embedded", "fsdp", "real_shapes", "max_micro_batch", "teacher_cache"]
+CHECKS = ["peak_matmul", "embedded", "fsdp", "placement", "precision", "real_shapes", "max_micro_batch", "teacher_cache"]
 
 
 @pytest.fixture(scope="module")
@@ -57,11 +57,28 @@ def test_fsdp_arms_equal_the_unsharded_model_and_mixed_precision_is_close(dry_ru
     assert 0 < abs(arms["fsdp2_bf16_mixed"]["relative_to_unsharded"]) < 0.02  # bf16 compute: close, not equal
 
 
+def test_the_placement_check_decides_measures_and_counts(dry_run):
+    check = dry_run[0]["checks"]["placement"]
+    assert check["teacher_bytes"] > 0 and set(check["auto_on_this_device"]) == {"lora", "full"}
+    assert all(d["placement"] in ("replicate", "node") for d in check["auto_on_this_device"].values())
+    assert check["replicated"]["collectives"] == {}  # a replicated teacher's forward issues no collective
+    assert check["sharded_1_rank"]["forward_s"] > 0 and check["sharded_1_rank"]["collectives"]["teacher"]["all_gather"]
+    assert check["sharded_at_8_ranks_all_gather_bytes_per_micro_batch"] == check["teacher_bytes"] * 7 / 8
+
+
+def test_the_precision_check_keeps_fp32_master_state_and_pure_bf16_does_not(dry_run):
+    arms = dry_run[0]["checks"]["precision"]["arms"]
+    assert arms["bf16"]["weights_dtype"] == "float32" and arms["bf16"]["adamw_state_dtypes"] == ["float32"]
+    assert arms["bf16_pure"]["weights_dtype"] == "bfloat16" and arms["bf16_pure"]["adamw_state_dtypes"] == ["bfloat16"]
+    assert arms["bf16"]["moved_fraction"] > 0.9 and arms["bf16_pure"]["moved_fraction"] < 0.5  # 14% at tiny shapes
+
+
 def test_the_real_shape_arms_report_speed_mfu_and_the_loss_alone(dry_run):
     real = dry_run[0]["checks"]["real_shapes"]
     assert set(real["arms"]) == {"lora_chunked", "lora_fused", "full_chunked", "full_fused"}
     for arm, r in real["arms"].items():
         assert r["status"] == "ok" and r["tokens_per_s"] > 0 and 0 < r["mfu_causal"] < r["mfu"] < 1, (arm, r)
+        assert r["predicted_peak_gib"] > 0 and r["predicted"]["teacher_weights"] > 0, (arm, r)
     lora, full = real["arms"]["lora_chunked"], real["arms"]["full_chunked"]
     assert lora["trainable_params"] < full["trainable_params"] and lora["flops_per_step"] < full["flops_per_step"]
     # the same initial weights and data: chunked and fused give the same loss
