@@ -176,11 +176,14 @@ def run_rank(run_cfg: RunConfig, raw: dict[str, Any], overrides: list[str]) -> d
 
 
 def shared_dirs(cfg: RunConfig) -> dict[str, Path]:
-    """What every rank of a job must see alike: its run directory and the caches it reads."""
+    """What every rank of a job must see alike: its run directory, the caches it reads, and where its ranks wait for
+    rank 0's word (``distributed.waits``)."""
     from kdsweep.data.key import cache_root as data_root
+    from kdsweep.distributed.waits import rendezvous_root
     from kdsweep.teacher.cache import cache_root
 
-    dirs = {"the run directory": Path(cfg.output_dir), "the tokenization cache": data_root(cfg.data)}
+    dirs = {"the run directory": Path(cfg.output_dir), "the tokenization cache": data_root(cfg.data),
+            "the ranks' rendezvous directory ($KDSWEEP_CACHE/rendezvous)": rendezvous_root()}
     if cfg.teacher.logits == "cache":
         dirs["the teacher cache"] = cache_root(cfg)
     return dirs

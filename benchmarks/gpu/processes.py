@@ -20,10 +20,10 @@ ABSENT = "optuna,sqlalchemy,alembic,colorlog,mako,wandb,datasets,optuna_dashboar
 
 ARMS = {  # arm -> (overrides, the objective's tolerance relative to the CPU's)
     "fp32": ([], 1e-3),
-    "bf16_weights": (["train.dtype=bf16"], 0.02),
+    "bf16_weights": (["train.dtype=bf16"], 0.02),  # bf16 compute, fp32 master weights (autocast on one GPU)
     "activation_checkpointing": (["dist.activation_checkpointing=true"], 1e-3),
     "compile": (["dist.compile=true"], 1e-3),
-    "preset_fsdp2_gpu_bf16": (["dist=fsdp2_gpu_bf16"], 1e-3),  # the GPU preset as a one-GPU job takes it
+    "preset_fsdp2_gpu_bf16": (["dist=fsdp2_gpu_bf16"], 0.02),  # the GPU preset as a one-GPU job takes it (bf16)
 }
 QUIET = ["logger=quiet", "checkpoint.save_every=0", "checkpoint.export_merged=false", "checkpoint.export_adapter=false"]
 

@@ -20,13 +20,14 @@ def training_fingerprint(cfg: RunConfig, data_key: str) -> dict[str, Any]:
 
     The data counts by ``data_key`` (the tokenization cache's key: the sources' content and every setting that
     shapes the rows) and the batch sizes, not by where the files lie. Left out: where and how the run is observed
-    or laid out (output dir, logging, eval cadence, threads, device, ranks and sharding, checkpoint cadence),
+    or laid out (output dir, logging, eval cadence, threads, device and its TF32 mode, ranks and sharding,
+    checkpoint cadence),
     which by design do not change the result.
     """
     d = asdict(cfg)
     d["data"] = {"content": data_key, "batch_size": cfg.data.batch_size, "micro_batch_size": cfg.data.micro_batch_size}
     d["teacher"]["cache"].pop("dir")  # where a cache lies, like where the data lies, does not change the weights
-    for key in ("eval_every", "log_every", "threads", "device"):
+    for key in ("eval_every", "log_every", "threads", "device", "tf32"):
         d["train"].pop(key)
     return {k: d[k] for k in ("model", "teacher", "data", "loss", "optim", "train")}
 

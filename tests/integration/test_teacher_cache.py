@@ -114,7 +114,7 @@ def test_a_full_cache_trains_exactly_as_the_live_teacher(jobs, divergence, rows,
     assert record["teacher_targets"]["source"] == "cache" and record["teacher_targets"]["kl"] == "exact (T=1)"
     assert record["cost"]["teacher_tokens_read"] > 0
     assert read_run(Path(live.output_dir))["teacher_targets"] == {"source": "live", "teacher_ce": "exact",
-                                                                 "kl": "exact (T=1)"}
+                                                                 "kl": "exact (T=1)", "weights_dtype": ["float32"]}
 
 
 @pytest.mark.parametrize("rows", ROWS)

@@ -154,6 +154,19 @@ def test_two_rank_warm_trials_equal_their_own_processes(two_ranks):
     assert math.isfinite(read_run(sweep_dir / "4")["objective"])
 
 
+def test_status_says_what_a_two_rank_step_moves(two_ranks):
+    """The trials' counted collectives: the student's all-gathers and reduce-scatters, and nothing for the teacher,
+    which ``auto`` replicated on both ranks (it fits)."""
+    _, sweep_dir, _, _ = two_ranks
+    out = subprocess.run([sys.executable, "-m", "kdsweep", "status", str(sweep_dir)], capture_output=True, text=True)
+    line = next(x for x in out.stdout.splitlines() if x.startswith("collectives per training step"))
+    assert "student" in line and "all-gather" in line and "reduce-scatter" in line, line
+    assert "teacher none (replicated, or a cache)" in line, line
+    record = read_run(sweep_dir / "3")
+    assert record["placement"]["teacher"]["placement"] == "replicate" and "teacher" not in record["comm"]["train"]
+    assert record["comm"]["per_step"]["student"]["reduce_scatter"]["bytes"] > 0
+
+
 def wait_for(condition, what: str, proc=None, timeout: float = 300):
     deadline = time.time() + timeout
     while not condition():

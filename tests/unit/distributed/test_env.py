@@ -76,3 +76,17 @@ def test_the_gpu_of_a_rank_is_what_its_process_sees():
     assert cuda_index(3, 1) == 0  # one GPU bound per task (--gpus-per-task): it is cuda:0 for every task
     with pytest.raises(ConfigError, match="local rank 3 needs a GPU but this process sees 2"):
         cuda_index(3, 2)
+
+
+def test_the_ranks_of_a_node_come_from_the_launcher():
+    torchrun = detect({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"})
+    assert (torchrun.local_world_size, torchrun.nodes, torchrun.node) == (4, 2, 1)
+    slurm = [detect(srun_task(r, SLURM_STEP_TASKS_PER_NODE="2(x2)")) for r in range(4)]
+    assert [(e.local_world_size, e.nodes, e.node) for e in slurm] == [(2, 2, 0), (2, 2, 0), (2, 2, 1), (2, 2, 1)]
+    assert detect(srun_task(3)).nodes == 2  # no tasks-per-node variable: the step's tasks over its nodes
+    # tests simulate nodes only among the ranks kdsweep spawned itself, never under a real launcher
+    simulated = {"RANK": "3", "WORLD_SIZE": "4", "KDSWEEP_LOCAL_RANKS": "1", "KDSWEEP_TEST_RANKS_PER_NODE": "2"}
+    assert (detect(simulated).nodes, detect(simulated).node) == (2, 1)
+    assert detect({**simulated, "KDSWEEP_LOCAL_RANKS": ""}).nodes == 1
+    uneven = detect({"RANK": "0", "WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "4"})
+    assert (uneven.nodes, uneven.node) == (1, 0)  # ranks that do not split evenly count as one node

@@ -3,7 +3,7 @@
 Four ranks spawned on this machine count as 2 nodes of 2 (``KDSWEEP_TEST_RANKS_PER_NODE=2``: a rank's node is
 rank // 2, so ``node`` runs its real 2-D mesh and its collectives over real gloo groups). ``auto`` decides from
 ``dist.device_memory_gb``: a budget that holds the teacher replicates it, one that does not shards it per node;
-two teachers are placed one after the other. Every placement trains to the same objective and metrics rows
+two teachers (the same one twice, so they train as it does alone) are placed one after the other. Every placement trains to the same objective and metrics rows
 (1e-6), and a step's counted teacher all-gather bytes are 0 replicated, the within-node share per node and the
 whole-world share sharded over the world, each the formula from the teacher's own parameters. The teacher cache
 built with a replicated teacher equals, to every byte, the one built with a sharded teacher.
@@ -38,7 +38,6 @@ def placed(tmp_path_factory, zoo_dirs, monkeypatch_module):
         "world": [*FOUR, "dist.teacher_placement=world"],
         # a budget for one teacher beside the student (9 MB usable; each teacher 5.3 MB, the student 1 MB a rank)
         "two_auto": [*FOUR, *TWO_TEACHERS, "dist.device_memory_gb=0.012"],
-        "two_world": [*FOUR, *TWO_TEACHERS, "dist.teacher_placement=world"],
         "cache_replicated": [*cache, "dist.teacher_placement=replicate", f"teacher.cache.dir={root / 'cache_r'}"],
         "cache_sharded": [*cache, "dist.teacher_placement=world", f"teacher.cache.dir={root / 'cache_s'}"],
     }, *COMMON)
@@ -82,7 +81,7 @@ def test_every_placement_trains_the_same_and_auto_takes_each_side_of_its_budget(
     same_rows(dirs["auto_exceeds"], dirs["world"])
     two = read_run(dirs["two_auto"])["placement"]["teacher"]
     assert [t["placement"] for t in two] == ["replicate", "node"]  # each on its own, the first counted for the second
-    same_rows(dirs["two_auto"], dirs["two_world"])
+    same_rows(dirs["two_auto"], dirs["world"])  # the same teacher twice (weights 1 and 3) is that teacher
 
 
 def test_a_steps_teacher_all_gathers_are_none_the_node_share_or_the_world_share(placed, zoo_dirs):
