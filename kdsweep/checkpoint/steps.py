@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from kdsweep.distributed import DistEnv
+from kdsweep.distributed.waits import from_rank0
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 # Frozen weights (the LoRA base) come from the model directory, not from checkpoints; loading is therefore
@@ -72,22 +73,27 @@ def save(
     """Write checkpoint ``step`` (collective: every rank calls it) and prune to the last ``keep_last``."""
     final = root / f"step_{step:08d}"
     tmp = root / f".tmp-step_{step:08d}"
-    if dist.is_main:
+
+    def prepare() -> None:  # (a killed save's temp directory may be large to delete)
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-    dist.barrier()
+
+    from_rank0(dist, f"prepare the checkpoint {final.name}", prepare)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
     with _single_process_ok():
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp, no_dist=not dist.active)
     torch.save({**state, "rng": rng_state()}, tmp / f"state_rank{dist.rank}.pt")
-    dist.barrier()
-    if dist.is_main:
+    dist.barrier()  # every rank's files are written
+
+    def put_in_place() -> None:
         if final.exists():  # a rerun reached the same step again: replace it whole
             shutil.rmtree(final)
         os.rename(tmp, final)
         _prune(root, keep_last)
-    dist.barrier()
+
+    # deleting older checkpoints can take long on a parallel file system: the others wait outside any collective
+    from_rank0(dist, f"put the checkpoint {final.name} in place", put_in_place)
     return final
 
 

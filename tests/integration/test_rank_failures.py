@@ -114,9 +114,10 @@ def test_no_rank_completes_or_starts_a_new_collective_after_the_failure(failed_w
     old = {key: entries for key, entries in _logs(run.collectives).items() if key[1] not in new}
     assert sorted(rank for rank, _ in old) == [0, 1]
     for (rank, _), entries in old.items():
-        after = [e for e in entries if e["t"] > run.failed_at and e["phase"] in ("start", "end")]
-        starts = [e for e in after if e["phase"] == "start"]
-        assert len(starts) <= 1 and not [e for e in after if e["phase"] == "end"], (rank, after)
+        # a collective both ranks had entered may still end after the failure; none begun after it may
+        starts = [i for i, e in enumerate(entries) if e["phase"] == "start" and e["t"] > run.failed_at]
+        ended = [i for i in starts if i + 1 < len(entries) and entries[i + 1]["phase"] == "end"]
+        assert len(starts) <= 1 and not ended, (rank, entries[-4:])
         if how == "raised" and rank == 1:  # the failing rank itself: nothing after its error, only its failure mark
             assert not starts and entries[-1]["phase"] == "failed", entries[-3:]
     if how == "raised":  # the retry's reason is rank 1's own error, not rank 0's lost peer

@@ -2,10 +2,11 @@
 
 Four ranks spawned on this machine count as 2 nodes of 2 (``KDSWEEP_TEST_RANKS_PER_NODE=2``: a rank's node is
 rank // 2, so ``node`` runs its real 2-D mesh and its collectives over real gloo groups). ``auto`` decides from
-``dist.device_memory_gb``: a budget that holds the teacher replicates it, one that does not shards it per node;
-two teachers (the same one twice, so they train as it does alone) are placed one after the other. Every placement trains to the same objective and metrics rows
-(1e-6), and a step's counted teacher all-gather bytes are 0 replicated, the within-node share per node and the
-whole-world share sharded over the world, each the formula from the teacher's own parameters. The teacher cache
+``dist.device_memory_gb``: with a budget for one teacher beside the student, of two teachers (the same one twice)
+the first is replicated and the second, which would exceed what is left, is sharded per node. That job trains to
+the same objective and metrics rows (1e-6) as both teachers sharded over the world, and a step's counted teacher
+all-gather bytes are 0 replicated, the within-node share per node and the whole-world share over the world, each the
+formula from the teacher's own parameters. The teacher cache
 built with a replicated teacher equals, to every byte, the one built with a sharded teacher.
 """
 
@@ -33,11 +34,10 @@ def placed(tmp_path_factory, zoo_dirs, monkeypatch_module):
     monkeypatch_module.setenv("KDSWEEP_TEST_RANKS_PER_NODE", "2")  # the jobs' processes read it
     cache = ["dist=fsdp2_local", "teacher.logits=cache", "teacher.cache.method=topk"]
     proc, dirs = multirun(root, {
-        "auto_fits": [*FOUR, "dist.device_memory_gb=100"],
-        "world": [*FOUR, "dist.teacher_placement=world"],
         # a budget for one teacher beside the student (9 MB usable; each teacher 5.3 MB, the student 1 MB a rank):
         # the first is replicated, the second exceeds what is left and is sharded per node
         "two_auto": [*FOUR, *TWO_TEACHERS, "dist.device_memory_gb=0.012"],
+        "two_world": [*FOUR, *TWO_TEACHERS, "dist.teacher_placement=world"],
         "cache_replicated": [*cache, "dist.teacher_placement=replicate", f"teacher.cache.dir={root / 'cache_r'}"],
         "cache_sharded": [*cache, "dist.teacher_placement=world", f"teacher.cache.dir={root / 'cache_s'}"],
     }, *COMMON)
@@ -73,21 +73,20 @@ def train_rows(run_dir):
 
 def test_every_placement_trains_the_same_and_auto_takes_each_side_of_its_budget(placed):
     _, dirs, _ = placed
-    how = {name: read_run(dirs[name])["placement"]["teacher"] for name in ("auto_fits", "world")}
     two = read_run(dirs["two_auto"])["placement"]["teacher"]
-    assert {k: (v["placement"], v["sharded_over"], v["nodes"]) for k, v in how.items()} == {
-        "auto_fits": ("replicate", 1, 2), "world": ("world", 4, 2)}
+    world = read_run(dirs["two_world"])["placement"]["teacher"]
     # each teacher on its own, the first counted against the budget of the second
-    assert [(t["placement"], t["sharded_over"]) for t in two] == [("replicate", 1), ("node", 2)]
+    assert [(t["placement"], t["sharded_over"], t["nodes"]) for t in two] == [("replicate", 1, 2), ("node", 2, 2)]
     assert "fit" in two[0]["why"] and "exceed" in two[1]["why"] and "already replicated" in two[1]["why"]
-    same_rows(dirs["auto_fits"], dirs["world"])
-    same_rows(dirs["two_auto"], dirs["world"])  # replicated + per node, the same teacher twice (weights 1 and 3)
+    assert [(t["placement"], t["sharded_over"]) for t in world] == [("world", 4), ("world", 4)]
+    same_rows(dirs["two_auto"], dirs["two_world"])  # replicated + per node = over the world, to 1e-6
 
 
 def test_a_steps_teacher_all_gathers_are_none_the_node_share_or_the_world_share(placed, zoo_dirs):
     _, dirs, _ = placed
     teacher = load_file(zoo_dirs["teacher"] / "model.safetensors")
-    cases = (("auto_fits", "teacher", 0), ("two_auto", "teacher", 0), ("two_auto", "teacher1", 2), ("world", "teacher", 4))
+    cases = (("two_auto", "teacher", 0), ("two_auto", "teacher1", 2), ("two_world", "teacher", 4),
+             ("two_world", "teacher1", 4))
     for name, owner, n in cases:  # replicated: nothing; per node: the node's share; over the world: the world's
         for row in train_rows(dirs[name]):
             got = row.get(f"comm/{owner}/all_gather", 0)
@@ -98,9 +97,8 @@ def test_a_steps_teacher_all_gathers_are_none_the_node_share_or_the_world_share(
             assert per_step["all_gather"]["cross_node_bytes"] == 0
         if n == 4:
             assert per_step["all_gather"]["cross_node_bytes"] == per_step["all_gather"]["bytes"]
-    student_rs = {name: [r["comm/student/reduce_scatter"] for r in train_rows(dirs[name])]
-                  for name in ("auto_fits", "two_auto", "world")}
-    assert student_rs["auto_fits"] == student_rs["two_auto"] == student_rs["world"]  # whatever the teachers do
+    student_rs = {name: [r["comm/student/reduce_scatter"] for r in train_rows(dirs[name])] for name in ("two_auto", "two_world")}
+    assert student_rs["two_auto"] == student_rs["two_world"]  # whatever the teachers do
 
 
 def test_the_cache_built_with_a_replicated_teacher_equals_the_sharded_build_byte_for_byte(placed):
