@@ -103,6 +103,7 @@ class Aligned:
     kl_beta: float = 0.5
     kl_temperature = 1.0
     exact = True
+    measured = True
 
     def __len__(self) -> int:
         return self.n

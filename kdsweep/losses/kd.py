@@ -153,7 +153,9 @@ def kd_loss_sums(
         ce = ce + (F.nll_loss(log_p_s, y_c, ignore_index=ignore_index, reduction="sum") if temperature == 1.0
                    else cross_entropy_sum(s_c, y_c, ignore_index))
         with torch.no_grad():
-            if divergence == "forward_kl" and t_c.kl_temperature == temperature:
+            if not t_c.measured:  # no teacher (kd_ratio=0's training steps): no distance to it, and none computed
+                kl_tok = torch.full_like(d, float("nan"))
+            elif divergence == "forward_kl" and t_c.kl_temperature == temperature:
                 kl_tok = d
             else:
                 kl_tok = t_c.kl(log_p_s if t_c.kl_temperature == temperature else log_probs(s_c, t_c.kl_temperature))

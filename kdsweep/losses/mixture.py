@@ -45,6 +45,10 @@ class Mixture:
         return all(p.exact for p in self.parts)
 
     @property
+    def measured(self) -> bool:
+        return all(p.measured for p in self.parts)
+
+    @property
     def kl_temperature(self) -> float:
         return self.parts[0].kl_temperature
 

@@ -1,7 +1,10 @@
 """What the teacher gives the loss for N tokens: its logits, or what a teacher-logit cache kept of them.
 
-Three kinds here (and :class:`~kdsweep.losses.aligned.Aligned`, a cross-tokenizer teacher's), each split into token
-chunks of the lengths its ``cuts`` gives, by which the student's logits are split too (:func:`~kdsweep.losses.kd.split_like`):
+Every kind implements :class:`Targets` (the loss and the evaluation depend on that protocol alone), splitting into
+token chunks of the lengths its ``cuts`` gives, by which the student's logits are split too
+(:func:`~kdsweep.losses.kd.split_like`). Three kinds here; :class:`~kdsweep.losses.aligned.Aligned` (a teacher with
+another tokenizer, span by span), :class:`~kdsweep.losses.mixture.Mixture` (several teachers) and
+:class:`~kdsweep.teacher.absent.NoTargets` (``kd_ratio=0``'s training steps: no teacher) elsewhere:
 
 - :class:`Logits` — every logit (a live teacher, or ``teacher.cache.method=full``). **Exact**: every divergence,
   at any temperature.
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, fields
-from typing import Callable, Union
+from typing import Callable, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +37,46 @@ from kdsweep.losses.divergences import divergence_per_token, finite_teacher, for
 
 SAMPLED_DIVERGENCES = ("forward_kl",)
 """The divergences the ``sample`` method can estimate without bias."""
+
+
+class Targets(Protocol):
+    """The teacher's targets for N flattened tokens, as the loss (:func:`~kdsweep.losses.kd.kd_loss_sums`, the fused
+    loss) and the evaluation use them. Log-probabilities in and out are fp32; nothing synchronises with the host."""
+
+    exact: bool
+    """Whether every divergence is computed exactly (False: an estimate or a bound, e.g. a sparse cache's)."""
+    measured: bool
+    """Whether these come from a teacher (False: :class:`~kdsweep.teacher.absent.NoTargets`, nothing to measure)."""
+    kl_temperature: float
+    """The temperature of the logged KL (:meth:`kl`)."""
+    extent: Sequence[tuple[int, int]]
+    """Spans of tokens ``(first, last)`` no chunk boundary may cut (a cross-tokenizer teacher's)."""
+    vocab: int
+    """The vocabulary the student's logits are compared over (they are cut to it: a padded teacher's rows)."""
+
+    def __len__(self) -> int: ...
+
+    def cuts(self, num_chunks: int) -> list[int]:
+        """The token lengths of :meth:`split`'s chunks."""
+        ...
+
+    def split(self, num_chunks: int) -> list["Targets"]: ...
+
+    def split_at(self, sizes: list[int]) -> list["Targets"]:
+        """Chunks of these token lengths."""
+        ...
+
+    def divergence(self, log_q: torch.Tensor, divergence: str, beta: float, temperature: float) -> torch.Tensor:
+        """``[n]`` D(teacher_T, student_T) from the student's log-probs at T ``[n, V]`` (differentiable in them)."""
+        ...
+
+    def kl(self, log_q: torch.Tensor) -> torch.Tensor:
+        """``[n]`` the logged distance to the teacher at :attr:`kl_temperature`."""
+        ...
+
+    def teacher_ce(self, labels: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
+        """``[n]`` the teacher's cross-entropy on the gold labels (0 where ignored)."""
+        ...
 
 
 def chunk_sizes(n: int, num_chunks: int) -> list[int]:
@@ -71,6 +114,7 @@ class Logits:
     kl_temperature: float = 1.0
     """The temperature of the logged KL: 1, since logits give the distribution at any temperature."""
     exact = True
+    measured = True
     extent = ()
     """Spans of tokens a chunk boundary may not cut: none (:class:`~kdsweep.losses.aligned.Aligned` has some)."""
 
@@ -133,6 +177,7 @@ class _Sparse:
     vocab: int
     """The vocabulary the teacher's distribution was normalised over (the smaller of teacher's and student's)."""
     exact = False
+    measured = True
     extent = ()
 
     def __len__(self) -> int:
@@ -198,5 +243,3 @@ class TopK(_Sparse):
         coarse_p = finite_teacher(F.log_softmax(coarse_p, dim=-1))
         return divergence_per_token(divergence, coarse_q, coarse_p, beta=beta)
 
-
-Targets = Union[Logits, Samples, TopK]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kdsweep.config.schema import DataConfig, DistConfig, RolloutConfig, RunConfig, StudentConfig, TeacherCacheConfig
+from kdsweep.config.schema import DataConfig, DistConfig, LossConfig, RolloutConfig, RunConfig, StudentConfig, TeacherCacheConfig
 from kdsweep.distributed import DistEnv
 from kdsweep.teacher.views import reads_chat_in_own_template
 
@@ -62,6 +62,11 @@ def warn_idle_knobs(cfg: RunConfig, dist: DistEnv) -> None:
         for knob in ("max_new_tokens", "temperature", "top_p", "seed"):
             if changed(cfg.rollout, RolloutConfig(), knob):
                 log.warning("rollout.%s has no effect with lmbda=0 and rollout.seq_kd=false (nothing is generated)", knob)
+    if cfg.loss.kd_ratio == 0 and cfg.rollout.lmbda == 0:
+        for knob in ("divergence", "beta", "temperature"):
+            if changed(cfg.loss, LossConfig(), knob):
+                log.warning("loss.%s has no effect with kd_ratio=0: the training steps run without the teacher (the "
+                            "evaluations measure KL at T=1)", knob)
     if cfg.teacher.chat_template is not None and not reads_chat_in_own_template(cfg):
         log.warning("teacher.chat_template has no effect: only a teacher with another tokenizer than the student's "
                     "reads chat data in its own template")

@@ -25,6 +25,7 @@ from kdsweep.data.sampling import StepSampler
 from kdsweep.distributed import DistEnv, failure
 from kdsweep.metrics.records import SHARED_THREADS, RunRecord, job_started
 from kdsweep.models.load import Plan, load_tokenizer, plan, resolve_dir
+from kdsweep.teacher.absent import for_training
 from kdsweep.teacher.job import Teacher, open_teacher
 from kdsweep.teacher.mixture import mix
 from kdsweep.teacher.views import chat_view
@@ -105,6 +106,7 @@ def open_sources(cfg: RunConfig, dist: DistEnv, device: torch.device, kept: Kept
                              placement=where)
                 for i, ((_, view), teacher_dir, where) in enumerate(zip(views, teacher_dirs, placed.teachers))]
     teacher = teachers[0] if not cfg.teachers else mix(teachers, [w for w, _ in views], [str(d) for d in teacher_dirs])
+    teacher = for_training(cfg, teacher, teacher_dirs, tokenizer)  # kd_ratio=0: the training steps need no teacher
     if record is not None:  # the sweep controller starts the other trials once a cache is ready
         record.update(teacher_targets=teacher.record, kept=list(kept.reused))
     if kept.reused:

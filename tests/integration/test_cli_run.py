@@ -115,6 +115,17 @@ def test_multirun_over_kd_ratio_runs_three_jobs(background):
     assert all(r["status"] == "completed" and isinstance(r["objective"], float) for r in records)
     # kd_ratio changes training, so the three objectives differ
     assert len({round(r["objective"], 6) for r in records}) == 3
+    # kd_ratio=0: its training steps ran no teacher (only its evaluations did), their KL is not measured (null),
+    # and its evaluations measured KL and the teacher's CE as the others did
+    free, kd = records[0], records[1]
+    assert "without the teacher" in free["teacher_targets"]["training_steps"] and "training_steps" not in kd["teacher_targets"]
+    assert free["cost"]["train_tokens"] == kd["cost"]["train_tokens"] > 0
+    assert free["cost"]["teacher_tokens_computed"] == kd["cost"]["teacher_tokens_computed"] - kd["cost"]["train_tokens"]
+    rows = read_metrics(sweep / "0")
+    assert all(r["kl"] is None and r["kd"] == 0.0 for r in rows if r["kind"] == "train")
+    evals = [r for r in rows if r["kind"] == "eval"]
+    assert evals and all(r["kl"] > 0 and r["teacher_ce"] > 0 for r in evals)
+    assert [r["teacher_ce"] for r in evals] == [r["teacher_ce"] for r in read_metrics(sweep / "1") if r["kind"] == "eval"]
 
 
 def test_full_fine_tune_with_lora_rank_zero(background):

@@ -1,6 +1,7 @@
 """train_step: gradients are those of the global token-mean loss, however the step's batch is split."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -103,3 +104,38 @@ def test_gradient_clipping_bounds_the_update():
     update_norm = torch.sqrt(sum(((b - p.detach()) ** 2).sum() for b, p in zip(before, params)))
     assert stats.grad_norm > 1e-3  # the unclipped norm is reported
     assert update_norm.item() == pytest.approx(1e-3, rel=1e-3)
+
+
+@pytest.mark.parametrize("impl", ["chunked", "fused"])
+def test_kd_ratio_0_trains_without_the_teacher_exactly_as_with_it(impl):
+    """kd_ratio=0's training source gives no targets: the teacher never runs, and the step equals the one that ran
+    it and weighed it 0, bit for bit (the student's 8 padded output rows cut to the teacher's 96, as its targets
+    cut them); the logged KL is not measured."""
+    from kdsweep.teacher.absent import TeacherFree
+
+    from peft import LoraConfig, get_peft_model
+
+    student = get_peft_model(tiny_llama(vocab=V + 8, seed=1), LoraConfig(r=4, target_modules=["q_proj", "lm_head"]))
+    for n, p in student.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.1)
+    teacher = tiny_llama(seed=3).eval().requires_grad_(False)
+    calls = []
+    teacher.register_forward_pre_hook(lambda *a: calls.append(1))
+    loss_cfg = LossConfig(kd_ratio=0.0, num_chunks=3, impl=impl)
+    x, y = batch()
+    results = {}
+    for name, source in (("live", LiveTeacher(teacher, fused=impl == "fused")), ("free", TeacherFree(V))):
+        s = copy.deepcopy(student)
+        params = [p for p in s.parameters() if p.requires_grad]
+        opt = torch.optim.SGD(params, lr=1.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+        calls.clear()
+        stats = train_step(s, source, [Batch(a, b) for a, b in zip(x.split(4), y.split(4))], opt, sched,
+                           loss_cfg=loss_cfg, max_grad_norm=0.0, dist=single_process())
+        results[name] = (stats, [p.detach().clone() for p in params], len(calls))
+    (live, w_live, ran), (free, w_free, ran_free) = results["live"], results["free"]
+    assert ran == 2 and ran_free == 0 and source.tokens_computed == source.tokens_read == 0
+    assert all(torch.equal(a, b) for a, b in zip(w_live, w_free))
+    assert free.ce == live.ce and free.loss == live.loss == live.ce and free.grad_norm == live.grad_norm
+    assert free.kd == 0.0 and live.kd > 0 and math.isnan(free.kl) and live.kl > 0
