@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 
 from kdsweep.losses.cross_tokenizer import VocabMap, gold, merge, uld, uld_scale
-from kdsweep.losses.divergences import log_probs
+from kdsweep.losses.divergences import log_probs, token_log_probs
 from kdsweep.losses.targets import cuts_avoiding
 
 
@@ -52,7 +52,7 @@ class TeacherRows:
     count: list[int]
 
     def logp(self, spans: int, temperature: float) -> torch.Tensor:
-        lp = log_probs(self.logits, temperature).gather(-1, self.token.long().unsqueeze(-1)).squeeze(-1)
+        lp = token_log_probs(self.logits, self.token, temperature)
         return lp.new_zeros(spans).index_add(0, self.span, lp)
 
     def select(self, first: int, count: int) -> "TeacherRows":

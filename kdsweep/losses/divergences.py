@@ -68,6 +68,15 @@ def log_probs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     return F.log_softmax(x, dim=-1)
 
 
+def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``[...]`` fp32 ``log_softmax(logits / T)`` at ``tokens`` ``[...]`` alone: the token's logit less the logsumexp,
+    without the ``[..., V]`` log-probabilities a full log-softmax would write."""
+    x = upcast(logits)
+    if temperature != 1.0:
+        x = x / temperature
+    return x.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1) - x.logsumexp(-1)
+
+
 def upcast(x: torch.Tensor) -> torch.Tensor:
     """``x`` in fp32, or float64 if it already is (so float64 checks stay float64)."""
     return x if x.dtype == torch.float64 else x.float()

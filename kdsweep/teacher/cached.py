@@ -15,6 +15,14 @@ from kdsweep.teacher.build import DTYPES
 from kdsweep.teacher.cache import Spec, read_meta
 
 
+_SIGNED = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or its bits as the signed integer of its width (torch has no index_put for uint16 token ids)."""
+    return t.view(_SIGNED[t.dtype]) if t.dtype in _SIGNED else t
+
+
 class CachedSplit:
     """One split of a cache, memory-mapped: the targets of the rows it holds (any batch of them)."""
 
@@ -38,24 +46,33 @@ class CachedSplit:
                 for p in self.parts
             ]
 
-    def _locate(self, position: int) -> int:
-        return max(i for i, p in enumerate(self.parts) if p["start"] <= position and p["count"])
+    def _part_of(self, positions: torch.Tensor) -> torch.Tensor:
+        """``[B]`` the part (the file of the rank that wrote it) holding each position: the last non-empty part that
+        starts at or before it (a rank writes whole rows, so a row's positions are all in its first one's part)."""
+        kept = [i for i, p in enumerate(self.parts) if p["count"]]
+        starts = torch.tensor([self.parts[i]["start"] for i in kept], dtype=torch.long)
+        return torch.tensor(kept, dtype=torch.long)[torch.searchsorted(starts, positions, right=True) - 1]
 
     def gather(self, row_ids: torch.Tensor, length: int) -> dict[str, torch.Tensor]:
-        """field → ``[B, length, width]``: each row's positions, zero past its end (padding, never a label)."""
+        """field → ``[B, length, width]``: each row's positions, zero past its end (padding, never a label). One
+        vectorised index per field and part (no loop over rows); host buffers are pinned when a GPU will read them."""
         slots = self.slot[row_ids]
         if bool((slots < 0).any()):
             raise ValueError(f"row {int(row_ids[slots < 0][0])} of the {self.split} split is not in the teacher cache "
                              f"{self.path} (it holds the rows of the run it was built for: teacher.cache.rows)")
+        first, lengths = self.starts[slots], self.starts[slots + 1] - self.starts[slots]
+        offset = torch.arange(length)
+        inside = (offset[None, :] < lengths[:, None]).reshape(-1)  # [B·length]: a row's position, not padding
+        position = (first[:, None] + offset[None, :]).reshape(-1)
+        part = self._part_of(first).repeat_interleave(length)
+        where = [((inside & (part == i)).nonzero().squeeze(1), p["start"]) for i, p in enumerate(self.parts) if p["count"]]
+        pin = torch.cuda.is_available()
         out = {}
         for name, (dtype, width) in self.spec.fields().items():
-            buf = torch.zeros(len(row_ids), length, width, dtype=DTYPES[dtype])
-            for b, k in enumerate(slots.tolist()):
-                a, e = int(self.starts[k]), int(self.starts[k + 1])
-                part = self._locate(a)
-                start = self.parts[part]["start"]
-                buf[b, : e - a] = self.maps[name][part][a - start : e - start]
-            out[name] = buf
+            buf = torch.zeros(len(row_ids) * length, width, dtype=DTYPES[dtype], pin_memory=pin)
+            for (cells, start), part_map in zip(where, (m for m, p in zip(self.maps[name], self.parts) if p["count"])):
+                _bits(buf)[cells] = _bits(part_map)[position[cells] - start]
+            out[name] = buf.view(len(row_ids), length, width)
         return out
 
 

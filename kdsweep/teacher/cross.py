@@ -22,7 +22,7 @@ from torch import nn
 from kdsweep.data.batch import Batch
 from kdsweep.losses.aligned import Aligned, TeacherRows
 from kdsweep.losses.cross_tokenizer import VocabMap
-from kdsweep.losses.divergences import log_probs
+from kdsweep.losses.divergences import token_log_probs
 from kdsweep.teacher.align import Span, align_spans, shared_vocab
 from kdsweep.teacher.reader import RowReader, vocab_bytes
 from kdsweep.teacher.views import ViewReads
@@ -93,10 +93,10 @@ def aligned_targets(
     flat = teacher_logits.reshape(-1, teacher_logits.shape[-1])
     long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)
     with torch.no_grad():
-        lp = log_probs(flat[long([r for rows in t_nll_rows for r, _ in rows])], 1.0)
-        picked = lp.gather(-1, long([t for rows in t_nll_rows for _, t in rows]).unsqueeze(-1)).squeeze(-1)
+        picked = token_log_probs(flat[long([r for rows in t_nll_rows for r, _ in rows])],
+                                 long([t for rows in t_nll_rows for _, t in rows]))  # one column, not [M, Vt]
         owner = long([k for k, rows in enumerate(t_nll_rows) for _ in rows])
-        t_nll = -lp.new_zeros(len(extent)).index_add(0, owner, picked)
+        t_nll = -picked.new_zeros(len(extent)).index_add(0, owner, picked)
     targets = Aligned(
         n=B * T, head=long(head), cont=long(cont), cont_span=long(cont_span), cont_token=long(cont_token),
         t_head=flat[long(t_head)], t_cont=TeacherRows(flat[long(t_cont)], long(t_cont_token), long(t_cont_span), t_cont_count),

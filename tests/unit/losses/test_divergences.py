@@ -415,3 +415,16 @@ def test_no_host_synchronisation(monkeypatch):
     for divergence, beta in CASES:
         for temperature in (1.0, 2.0):
             kd_loss_sums(s, t, y, divergence=divergence, beta=beta, temperature=temperature, num_chunks=4).total(0.5).backward()
+
+
+@pytest.mark.parametrize("dtype,temperature", [(torch.float32, 1.0), (torch.bfloat16, 1.0), (torch.float32, 2.5)])
+def test_one_tokens_log_prob_equals_the_full_log_softmax_column(dtype, temperature):
+    from kdsweep.losses.divergences import log_probs, token_log_probs
+
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(7, 513, generator=g) * 6).to(dtype)
+    logits[2, 5:] = float("-inf")  # a padded teacher's masked rows
+    tokens = torch.randint(0, 5, (7,), generator=g)
+    want = log_probs(logits, temperature).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    got = token_log_probs(logits, tokens, temperature)
+    assert got.dtype == torch.float32 and torch.allclose(got, want, rtol=0, atol=2e-6), (got - want).abs().max()
