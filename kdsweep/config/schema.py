@@ -656,8 +656,6 @@ class RunConfig:
         weights = [m.weight for m in self.teachers]
         _check(sum(weights) > 0, f"teachers: the weights {weights} sum to {sum(weights):g}; give at least one teacher "
                                  "a positive weight, e.g. teachers.0.weight=1")
-        _check(self.loss.impl != "fused", "loss.impl=fused cannot mix several teachers (it computes one teacher's "
-                                          "logits chunk by chunk inside the loss); use loss.impl=chunked")
         _check(not self.rollout.active, "lmbda and rollout.seq_kd: generation with several teachers is not supported "
                                         "yet; pass lmbda=0 rollout.seq_kd=false, or one teacher")
 

@@ -122,6 +122,8 @@ def completed(proc):
 FUSED = ["loss.impl=fused", "loss.num_chunks=5"]
 FUSED_OPTIONS = [[], ["dist=fsdp2_local"],
                  ["dist=fsdp2_local", "dist.reshard_after_forward=false", "dist.activation_checkpointing=true"]]
+# two teachers of the student's tokenizer (the frozen student's start beside the teacher), weighted 1 and 3
+TWO_TEACHERS = "teachers=[{zoo: tiny-teacher, weight: 1}, {zoo: tiny-student, weight: 3}]"
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +146,8 @@ def fused(tmp_path_factory, zoo_dirs):
     proc, dirs = multirun(root, {
         "dense": ["loss.impl=dense"],
         **{f"fused{i}": [*FUSED, *o] for i, o in enumerate(FUSED_OPTIONS)},
+        "teachers_dense": ["loss.impl=dense", TWO_TEACHERS],
+        "teachers_fused": [*FUSED, "dist=fsdp2_local", TWO_TEACHERS],
     }, *SMALL)
     return completed(proc), dirs
 
@@ -236,6 +240,16 @@ def test_fused_loss_matches_dense(fused, options):
     trains exactly as the dense logits path on one rank."""
     dirs = fused[1]
     assert_same_run(dirs["dense"], dirs[f"fused{FUSED_OPTIONS.index(options)}"])
+
+
+def test_fused_loss_mixes_several_teachers_as_dense_logits_do(fused):
+    """Two teachers of the student's tokenizer: the fused loss (each teacher's hidden states projected chunk by chunk,
+    on 2 FSDP ranks) trains exactly as dense logits of both on one rank."""
+    dirs = fused[1]
+    assert [t["teacher"] for t in read_run(dirs["teachers_fused"])["teacher_targets"]["teachers"]] == \
+        [t["teacher"] for t in read_run(dirs["teachers_dense"])["teacher_targets"]["teachers"]]
+    assert_same_run(dirs["teachers_dense"], dirs["teachers_fused"])
+    assert read_run(dirs["teachers_fused"])["objective"] != pytest.approx(read_run(dirs["dense"])["objective"], abs=1e-4)
 
 
 TOO_MANY = len(os.sched_getaffinity(0)) + 1
