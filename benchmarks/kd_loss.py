@@ -31,6 +31,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 IMPLS = ("dense", "chunked", "fused")
+LOSS_ARMS = ("dense", "chunked", "chunked_one_backward", "fused")
+"""The loss alone: each ``loss.impl`` as a train step runs it, and ``chunked_one_backward``: the chunks' losses summed
+and differentiated in one backward (what ``chunked`` did before each chunk was differentiated at once)."""
 CHUNK_TOKENS = 256  # fused and chunked: tokens per chunk
 
 
@@ -46,6 +49,7 @@ def measure(impl: str, vocab: int, hidden: int, bt: int, dtype: str, repeats: in
     from kdsweep.losses import kd_loss_sums
     from kdsweep.losses.targets import Logits
     from kdsweep.models.heads import frozen_projection
+    from kdsweep.train.chunked import chunked_loss_backward
     from kdsweep.train.fused import fused_loss_sums
 
     torch.manual_seed(0)
@@ -80,12 +84,19 @@ def measure(impl: str, vocab: int, hidden: int, bt: int, dtype: str, repeats: in
                 sums, mixed = fused_loss_sums(student, {"input_ids": labels}, Logits(hidden=h_t, head=t_head), labels, kd_ratio=0.5, num_chunks=chunks, **kw)
                 loss = mixed / sums.tokens
                 loss.backward()
-        else:
+        elif impl == "chunked_one_backward":
             with torch.no_grad():
                 t_logits = teacher_head(h_t)
-            sums = kd_loss_sums(student(labels).logits, t_logits, labels, num_chunks=chunks if impl == "chunked" else 1, **kw)
+            sums = kd_loss_sums(student(labels).logits, t_logits, labels, num_chunks=chunks, **kw)
             loss = sums.total(0.5) / sums.tokens
             loss.backward()
+        else:  # dense (one chunk) and chunked, as micro_batch_backward runs them
+            with torch.no_grad():
+                t_logits = teacher_head(h_t)
+            tokens = (labels != -100).sum()
+            sums = chunked_loss_backward(student(labels).logits, Logits(logits=t_logits), labels, kd_ratio=0.5,
+                                         scale=1.0 / tokens, num_chunks=chunks if impl == "chunked" else 1, **kw)
+            loss = sums.total(0.5) / tokens
         h_s.grad = None
         student_head.weight.grad = None
         return float(loss.detach())
@@ -138,15 +149,15 @@ def main() -> None:
     import torch
 
     rows = [in_subprocess([impl, str(args.vocab), str(args.hidden), str(bt), args.dtype, str(args.repeats)])
-            for bt in args.bt for impl in IMPLS]
+            for bt in args.bt for impl in LOSS_ARMS]
     print(f"KD loss forward+backward, V={args.vocab}, H={args.hidden}, {args.dtype}, {CHUNK_TOKENS} tokens per chunk, "
           f"{torch.get_num_threads()} threads")
-    print(f"{'BT':>6} {'impl':<8} {'time s':>8} {'x dense':>8} {'loss MB':>9} {'/ dense':>8} {'peak MB':>9}")
+    print(f"{'BT':>6} {'impl':<20} {'time s':>8} {'x dense':>8} {'loss MB':>9} {'/ dense':>8} {'peak MB':>9}")
     for r in rows:
         dense = next(d for d in rows if d["bt"] == r["bt"] and d["impl"] == "dense")
         r["time_vs_dense"] = r["time_s"] / dense["time_s"]
         r["loss_mb_vs_dense"] = r["loss_mb"] / dense["loss_mb"]
-        print(f"{r['bt']:>6} {r['impl']:<8} {r['time_s']:>8.3f} {r['time_vs_dense']:>8.2f} {r['loss_mb']:>9.0f} "
+        print(f"{r['bt']:>6} {r['impl']:<20} {r['time_s']:>8.3f} {r['time_vs_dense']:>8.2f} {r['loss_mb']:>9.0f} "
               f"{r['loss_mb_vs_dense']:>8.3f} {r['peak_mb']:>9.0f}")
     train = {impl: train_tokens_per_s(impl, args.train_steps) for impl in IMPLS}
     print("embedded default, whole KD train step: " + ", ".join(f"{k} {v:.0f} tokens/s" for k, v in train.items()))

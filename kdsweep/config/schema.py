@@ -299,7 +299,8 @@ class LossConfig:
     1 = reverse-KL end); unused by the other divergences."""
     impl: str = "chunked"
     """How the loss is computed. dense: from the models' full logits in one piece; chunked: the same logits, the
-    loss in ``num_chunks`` token chunks (bounds the fp32 temporaries, not what backward keeps); fused: from the
+    loss in ``num_chunks`` token chunks, each differentiated at once (one chunk's fp32 temporaries at a time, beside
+    the logits and their gradient); fused: from the
     final hidden states, each chunk projected by the output layers and differentiated at once, so the B×T×V
     logits never exist. Same values and gradients (to fp32 rounding) either way."""
     num_chunks: int = 8

@@ -10,10 +10,11 @@ from torch import nn
 from kdsweep.config.schema import LossConfig
 from kdsweep.data.batch import Batch
 from kdsweep.distributed import DistEnv
-from kdsweep.losses import LossSums, cross_entropy_sum, kd_loss_sums, log_probs, split_like
+from kdsweep.losses import LossSums, cross_entropy_sum, log_probs, split_like
 from kdsweep.losses.targets import Targets
 from kdsweep.models.heads import final_hidden, frozen_projection
 from kdsweep.teacher.source import TeacherSource
+from kdsweep.train.chunked import chunked_loss_backward
 from kdsweep.train.fused import fused_loss_sums
 
 
@@ -45,11 +46,10 @@ def micro_batch_backward(student: nn.Module, teacher: TeacherSource, batch: Batc
         if loss_cfg.impl == "fused":
             sums, mixed = fused_loss_sums(student, batch.inputs(), targets, batch.labels, kd_ratio=kd_ratio,
                                           num_chunks=loss_cfg.chunks, **kw)
-        else:
-            sums = kd_loss_sums(student(**batch.inputs()).logits, targets, batch.labels, num_chunks=loss_cfg.chunks,
-                                **kw)
-            mixed = sums.total(kd_ratio)
-        (mixed * scale).backward()
+            (mixed * scale).backward()
+        else:  # each chunk's loss differentiated before the next chunk's runs
+            sums = chunked_loss_backward(student(**batch.inputs()).logits, targets, batch.labels, kd_ratio=kd_ratio,
+                                         scale=scale, num_chunks=loss_cfg.chunks, **kw)
     return LossSums(*(t.detach() for t in sums))
 
 

@@ -1,0 +1,41 @@
+"""``loss.impl=chunked`` (and ``dense``, one chunk): the KD loss over the student's logits, each chunk differentiated
+at once.
+
+The student's forward writes its ``[N, V]`` logits; the loss then runs chunk by chunk, and each chunk's gradient with
+respect to its own logits is taken before the next chunk's loss runs, so the fp32 temporaries of one chunk's loss
+(log-probabilities, probabilities, the divergence's terms) are freed before the next chunk's exist. What lives across
+the chunks is the logits and one ``[N, V]`` gradient of them; one backward from the logits then runs the model's.
+A single backward over all chunks would keep every chunk's temporaries until the end: several ``[N, V]`` fp32 tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kdsweep.losses import LossSums, kd_loss_sums, split_like
+from kdsweep.losses.targets import Targets
+
+
+def chunked_loss_backward(logits: torch.Tensor, targets: Targets, labels: torch.Tensor, *, kd_ratio: float,
+                          scale: torch.Tensor, num_chunks: int, **loss_kwargs: Any) -> LossSums:
+    """Backward of ``scale·((1 - kd_ratio)·Σce + kd_ratio·Σkd)`` (the sums of ``kd_loss_sums``, same ``loss_kwargs``)
+    through ``logits`` ``[..., V]``, chunk by chunk; returns the sums, detached."""
+    flat, y = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+    grad = torch.empty_like(flat)
+    cuts = targets.cuts(num_chunks)
+    stats = flat.new_zeros(3, dtype=torch.float32)  # Σce, Σkd, Σkl
+    for (s_c, y_c), t_c, g_c in zip(split_like(targets, num_chunks, flat, y), targets.split(num_chunks),
+                                    torch.split(grad, cuts, dim=0)):
+        leaf = s_c.detach().requires_grad_()
+        sums = kd_loss_sums(leaf, t_c, y_c, num_chunks=1, **loss_kwargs)
+        (g,) = torch.autograd.grad(sums.total(kd_ratio) * scale, [leaf], allow_unused=True)
+        if g is None:  # a chunk left empty by a span it may not cut
+            g_c.zero_()
+        else:
+            g_c.copy_(g)
+        stats += torch.stack([sums.ce, sums.kd, sums.kl]).detach()
+    flat.backward(grad)
+    ce, kd, kl = stats.unbind()
+    return LossSums(ce=ce, kd=kd, kl=kl, tokens=(y != loss_kwargs.get("ignore_index", -100)).sum())
