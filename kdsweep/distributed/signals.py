@@ -9,6 +9,12 @@ exits); with no such handler, rank 0 requeues the SLURM job itself.
 Inside a SLURM job, SIGTERM is watched too: SLURM sends it when it preempts or requeues a job (``scontrol
 requeue``), cancels it or ends it at its time limit, and kills it KillWait (or GraceTime) seconds later. The job
 writes its checkpoint at the next step boundary and exits; SLURM itself decides whether the job runs again.
+
+``scontrol requeue`` run from inside the job is one of the job's processes: the requeue it asks for sends SIGTERM to
+every one of them, itself included, and on a busy node that can arrive before it exits. submitit then sees its
+requeue command "die with SIGTERM" and records an error for a job that was in fact requeued (its controller, or
+Hydra's launcher, reads that error and gives the job up while SLURM runs it again). :func:`requeue` runs it with
+SIGTERM ignored, and :func:`harden_submitit_requeue` makes submitit's requeue do the same.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ class PreemptionWatch:
 
     def __init__(self) -> None:
         signums = [signal.SIGUSR2] + ([signal.SIGTERM] if "SLURM_JOB_ID" in os.environ else [])
+        if "SLURM_JOB_ID" in os.environ:
+            harden_submitit_requeue()
         self.received: int | None = None
         self._previous = {s: signal.signal(s, self._on_signal) for s in signums}
 
@@ -56,4 +64,31 @@ class PreemptionWatch:
         job = os.environ.get("SLURM_JOB_ID")
         if rank == 0 and job:
             log.info("requeueing SLURM job %s", job)
-            subprocess.run(["scontrol", "requeue", job], check=False)
+            requeue(job, check=False)
+
+
+def _ignore_sigterm() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # an ignored signal stays ignored across exec
+
+
+def requeue(job_id: str, check: bool = True) -> int:
+    """``scontrol requeue <job_id>``, which the SIGTERM of the requeue it asks for cannot kill; its exit code."""
+    return subprocess.run(["scontrol", "requeue", job_id], check=check, timeout=60, preexec_fn=_ignore_sigterm).returncode
+
+
+def harden_submitit_requeue() -> None:
+    """submitit's requeue (its USR2 handler's, after checkpoint()) through :func:`requeue` (idempotent)."""
+    try:
+        from submitit.core import logger as submitit_log
+        from submitit.slurm.slurm import SlurmJobEnvironment
+    except ImportError:  # no submitit: nothing of it to harden
+        return
+    if getattr(SlurmJobEnvironment._requeue, "kdsweep", False):
+        return
+
+    def _requeue(self: SlurmJobEnvironment, countdown: int) -> None:
+        requeue(self.job_id)
+        submitit_log.get_logger().info(f"Requeued job {self.job_id} ({countdown} remaining timeouts)")  # as submitit
+
+    _requeue.kdsweep = True  # type: ignore[attr-defined]
+    SlurmJobEnvironment._requeue = _requeue

@@ -83,6 +83,11 @@ class Counter:
         self.folder, self.step = Path(folder), 0
 
     def __call__(self):
+        from kdsweep.distributed.signals import harden_submitit_requeue
+
+        # the requeue kdsweep's jobs use: submitit's own `scontrol requeue` can be killed by the SIGTERM of the
+        # requeue it asked for, and submitit then records an error for a job SLURM is running again
+        harden_submitit_requeue()
         restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
         (self.folder / f"run{restarts}.txt").write_text(f"SLURM_RESTART_COUNT={restarts}\nstart={self.step}\n")
         resumed_at = self.step
