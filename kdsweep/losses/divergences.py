@@ -62,18 +62,18 @@ def log_probs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     Also right for log-probabilities (at T = 1) given instead of logits: log-softmax is shift-invariant, so
     ``log_softmax(log p / T)`` is the tempered distribution, renormalised in fp32 (which a cut vocabulary needs).
     """
+    return F.log_softmax(_tempered(logits, temperature), dim=-1)
+
+
+def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     x = upcast(logits)
-    if temperature != 1.0:
-        x = x / temperature
-    return F.log_softmax(x, dim=-1)
+    return x / temperature if temperature != 1.0 else x
 
 
 def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """``[...]`` fp32 ``log_softmax(logits / T)`` at ``tokens`` ``[...]`` alone: the token's logit less the logsumexp,
     without the ``[..., V]`` log-probabilities a full log-softmax would write."""
-    x = upcast(logits)
-    if temperature != 1.0:
-        x = x / temperature
+    x = _tempered(logits, temperature)
     return x.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1) - x.logsumexp(-1)
 
 

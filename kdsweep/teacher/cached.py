@@ -38,6 +38,9 @@ class CachedSplit:
         self.slot[selected] = torch.arange(len(selected))
         self.starts = torch.cat([torch.zeros(1, dtype=torch.long), rows.lengths[selected].cumsum(0)])
         self.rows, self.parts = rows, info["parts"]
+        # the parts that hold positions (a rank may have written none), and where each starts
+        self.filled = torch.tensor([i for i, p in enumerate(self.parts) if p["count"]], dtype=torch.long)
+        self.filled_starts = torch.tensor([self.parts[i]["start"] for i in self.filled.tolist()], dtype=torch.long)
         self.maps: dict[str, list[torch.Tensor]] = {}
         for name, (dtype, width) in self.spec.fields().items():
             self.maps[name] = [
@@ -49,9 +52,7 @@ class CachedSplit:
     def _part_of(self, positions: torch.Tensor) -> torch.Tensor:
         """``[B]`` the part (the file of the rank that wrote it) holding each position: the last non-empty part that
         starts at or before it (a rank writes whole rows, so a row's positions are all in its first one's part)."""
-        kept = [i for i, p in enumerate(self.parts) if p["count"]]
-        starts = torch.tensor([self.parts[i]["start"] for i in kept], dtype=torch.long)
-        return torch.tensor(kept, dtype=torch.long)[torch.searchsorted(starts, positions, right=True) - 1]
+        return self.filled[torch.searchsorted(self.filled_starts, positions, right=True) - 1]
 
     def gather(self, row_ids: torch.Tensor, length: int) -> dict[str, torch.Tensor]:
         """field → ``[B, length, width]``: each row's positions, zero past its end (padding, never a label). One
@@ -65,13 +66,13 @@ class CachedSplit:
         inside = (offset[None, :] < lengths[:, None]).reshape(-1)  # [B·length]: a row's position, not padding
         position = (first[:, None] + offset[None, :]).reshape(-1)
         part = self._part_of(first).repeat_interleave(length)
-        where = [((inside & (part == i)).nonzero().squeeze(1), p["start"]) for i, p in enumerate(self.parts) if p["count"]]
+        cells = {i: (inside & (part == i)).nonzero().squeeze(1) for i in self.filled.tolist()}  # each part's cells
         pin = torch.cuda.is_available()
         out = {}
         for name, (dtype, width) in self.spec.fields().items():
             buf = torch.zeros(len(row_ids) * length, width, dtype=DTYPES[dtype], pin_memory=pin)
-            for (cells, start), part_map in zip(where, (m for m, p in zip(self.maps[name], self.parts) if p["count"])):
-                _bits(buf)[cells] = _bits(part_map)[position[cells] - start]
+            for i, at in cells.items():
+                _bits(buf)[at] = _bits(self.maps[name][i])[position[at] - self.parts[i]["start"]]
             out[name] = buf.view(len(row_ids), length, width)
         return out
 

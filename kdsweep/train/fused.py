@@ -17,9 +17,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from kdsweep.losses import LossSums, kd_loss_sums, split_like
+from kdsweep.losses import LossSums
 from kdsweep.losses.targets import Targets
 from kdsweep.models.heads import forward_replaced, output_layer, projection
+from kdsweep.train.chunked import chunk_gradients
 
 
 class _LossWithGradient(torch.autograd.Function):
@@ -63,16 +64,13 @@ def fused_loss_sums(
         h_s = hidden.reshape(-1, hidden.shape[-1])
         stats = h_s.new_zeros(3, dtype=torch.float32)  # Σce, Σkd, Σkl
         grad_h, grad_p = [], [torch.zeros_like(p, dtype=torch.float32) for p in params]  # fp32 sums
-        for (hs_c, y_c), t_c in zip(split_like(targets, num_chunks, h_s, y), targets.split(num_chunks)):
-            with torch.enable_grad():
-                hs_c = hs_c.detach().requires_grad_()
-                sums = kd_loss_sums(student_head(hs_c), t_c, y_c, num_chunks=1, **loss_kwargs)
-                grads = torch.autograd.grad(sums.total(kd_ratio), [hs_c, *params], allow_unused=True)
+        for sums, grads in chunk_gradients(h_s, targets, labels, num_chunks=num_chunks, kd_ratio=kd_ratio,
+                                           project=student_head, wrt=params, **loss_kwargs):
             grad_h.append(grads[0])
             for acc, g in zip(grad_p, grads[1:]):
                 if g is not None:
                     acc += g
-            stats += torch.stack([sums.ce, sums.kd, sums.kl]).detach()
+            stats += sums
         mixed = (1.0 - kd_ratio) * stats[0] + kd_ratio * stats[1]
         return mixed, stats, torch.cat(grad_h).reshape(hidden.shape), [g.to(p.dtype) for g, p in zip(grad_p, params)]
 

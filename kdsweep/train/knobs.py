@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kdsweep.config.schema import DataConfig, DistConfig, LossConfig, RolloutConfig, RunConfig, StudentConfig, TeacherCacheConfig
+from kdsweep.config.schema import (
+    DataConfig, DistConfig, LossConfig, RolloutConfig, RunConfig, StudentConfig, TeacherCacheConfig,
+)
 from kdsweep.distributed import DistEnv
 from kdsweep.teacher.views import reads_chat_in_own_template
 
