@@ -9,18 +9,17 @@ teacher's logits kept here, and scores them with GOLD or ULD; every other positi
 (:meth:`Aligned.cuts`), so a chunked loss is the unchunked one up to summation order.
 
 Tensors: ``head`` ``[S]`` student positions; ``cont`` ``[M]`` student positions, ``cont_span`` ``[M]`` their spans and
-``cont_token`` ``[M]`` the tokens they predict; ``t_head`` ``[S, Vt]`` teacher logits predicting each span's first
-teacher token; ``t_cont`` the teacher's log-probability of each span's later tokens: :class:`TeacherRows` (the logits
-predicting them, a live teacher's, at any temperature) or :class:`KeptContinuation` (the log-probabilities
-themselves at the temperatures a teacher-logit cache kept); ``t_nll`` ``[S]`` the teacher's −log p of each span's
-teacher tokens (at T = 1). Continuation rows are in span order. ``extent`` and the continuation counts are
-host-side, so that :meth:`cuts` and :meth:`split` need no device sync.
+``cont_token`` ``[M]`` the tokens they predict; ``teacher`` the teacher's side of each span (:class:`TeacherSpans`):
+the logits predicting its first teacher token, the log-probability of its later ones and its −log p of all of them,
+from a live teacher's rows (:class:`LiveSpans`: kept logits, or hidden states projected one chunk at a time) or from
+what a teacher-logit cache kept (:class:`KeptSpans`). Continuation rows are in span order. ``extent`` and the
+continuation counts are host-side, so that :meth:`cuts` and :meth:`split` need no device sync.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Protocol
+from dataclasses import dataclass, field, replace
+from typing import Callable, Protocol
 
 import torch
 
@@ -29,53 +28,91 @@ from kdsweep.losses.divergences import log_probs, token_log_probs
 from kdsweep.losses.targets import cuts_avoiding
 
 
-class TeacherContinuation(Protocol):
-    """The teacher's log-probability of each span's later tokens (0 for a one-token span)."""
+class TeacherSpans(Protocol):
+    """The teacher's side of each span: the logits predicting its first teacher token, the log-probability of its
+    later ones, and its −log p of all of them."""
 
-    def logp(self, spans: int, temperature: float) -> torch.Tensor:
-        """``[spans]`` at ``temperature``."""
+    def head_logits(self) -> torch.Tensor:
+        """``[S, Vt]`` the logits predicting each span's first teacher token."""
         ...
 
-    def select(self, first: int, count: int) -> "TeacherContinuation":
+    def cont_logp(self, temperature: float) -> torch.Tensor:
+        """``[S]`` the log-probability of each span's later teacher tokens at ``temperature`` (0 for one token)."""
+        ...
+
+    def nll(self) -> torch.Tensor:
+        """``[S]`` −log p of each span's teacher tokens at T = 1."""
+        ...
+
+    def select(self, first: int, count: int) -> "TeacherSpans":
         """Spans ``first`` … ``first + count − 1``."""
         ...
 
 
 @dataclass
-class TeacherRows:
-    """A live teacher's: ``logits`` ``[Mt, Vt]`` predicting each span's later teacher tokens ``token`` ``[Mt]``, of
-    spans ``span`` ``[Mt]`` (in span order; ``count`` per span, host-side)."""
+class LiveSpans:
+    """A live teacher's: ``rows(index)`` gives the logits ``[len(index), Vt]`` at its flattened positions ``index``
+    (its kept logits' rows, or its final hidden states' rows projected by its output layer: the fused loss's, so no
+    ``[positions, Vt]`` tensor exists). Per span, ``head_row`` predicts its first teacher token ``head_token``; the
+    rows ``cont_row`` ``[Mt]`` predict its later ones ``cont_token``, of spans ``cont_span`` (in span order; ``count``
+    per span, host-side). A span's rows are made into logits once, when first asked for (so one chunk's at a time)."""
 
-    logits: torch.Tensor
-    token: torch.Tensor
-    span: torch.Tensor
+    rows: Callable[[torch.Tensor], torch.Tensor]
+    head_row: torch.Tensor
+    head_token: torch.Tensor
+    cont_row: torch.Tensor
+    cont_token: torch.Tensor
+    cont_span: torch.Tensor
     count: list[int]
+    _logits: list[torch.Tensor] = field(default_factory=list, repr=False)
 
-    def logp(self, spans: int, temperature: float) -> torch.Tensor:
-        lp = token_log_probs(self.logits, self.token, temperature)
-        return lp.new_zeros(spans).index_add(0, self.span, lp)
+    def _all(self) -> torch.Tensor:
+        if not self._logits:
+            with torch.no_grad():
+                self._logits.append(self.rows(torch.cat([self.head_row, self.cont_row])))
+        return self._logits[0]
 
-    def select(self, first: int, count: int) -> "TeacherRows":
+    def head_logits(self) -> torch.Tensor:
+        return self._all()[: len(self.head_row)]
+
+    def cont_logp(self, temperature: float) -> torch.Tensor:
+        lp = token_log_probs(self._all()[len(self.head_row):], self.cont_token, temperature)
+        return lp.new_zeros(len(self.head_row)).index_add(0, self.cont_span, lp)
+
+    def nll(self) -> torch.Tensor:
+        return -(token_log_probs(self.head_logits(), self.head_token) + self.cont_logp(1.0))
+
+    def select(self, first: int, count: int) -> "LiveSpans":
         lo, hi = sum(self.count[:first]), sum(self.count[:first + count])
-        return TeacherRows(self.logits[lo:hi], self.token[lo:hi], self.span[lo:hi] - first,
-                           self.count[first:first + count])
+        spans = slice(first, first + count)
+        return LiveSpans(self.rows, self.head_row[spans], self.head_token[spans], self.cont_row[lo:hi],
+                         self.cont_token[lo:hi], self.cont_span[lo:hi] - first, self.count[spans])
 
 
 @dataclass
-class KeptContinuation:
-    """A teacher-logit cache's: ``by_temperature[T]`` ``[S]`` the log-probabilities at each temperature it kept
-    (the loss's and 1, which the logged distance is at)."""
+class KeptSpans:
+    """A teacher-logit cache's: the head logits ``[S, Vt]``, the continuation's log-probabilities ``by_temperature[T]``
+    ``[S]`` at each temperature it kept (the loss's and 1, which the logged distance is at), and ``t_nll`` ``[S]``."""
 
+    logits: torch.Tensor
     by_temperature: dict[float, torch.Tensor]
+    t_nll: torch.Tensor
 
-    def logp(self, spans: int, temperature: float) -> torch.Tensor:
+    def head_logits(self) -> torch.Tensor:
+        return self.logits
+
+    def cont_logp(self, temperature: float) -> torch.Tensor:
         if temperature not in self.by_temperature:
             raise ValueError(f"the teacher cache kept each span's continuation at T={sorted(self.by_temperature)}, "
                              f"not at T={temperature:g}")
         return self.by_temperature[temperature]
 
-    def select(self, first: int, count: int) -> "KeptContinuation":
-        return KeptContinuation({t: v[first:first + count] for t, v in self.by_temperature.items()})
+    def nll(self) -> torch.Tensor:
+        return self.t_nll
+
+    def select(self, first: int, count: int) -> "KeptSpans":
+        spans = slice(first, first + count)
+        return KeptSpans(self.logits[spans], {t: v[spans] for t, v in self.by_temperature.items()}, self.t_nll[spans])
 
 
 @dataclass
@@ -86,9 +123,7 @@ class Aligned:
     cont_span: torch.Tensor
     cont_token: torch.Tensor
     """``[M]`` the student token each continuation position predicts (its label)."""
-    t_head: torch.Tensor
-    t_cont: TeacherContinuation
-    t_nll: torch.Tensor
+    teacher: TeacherSpans
     extent: list[tuple[int, int]]
     """Per span, ``(head, last)``: the student positions it covers, ``head`` … ``last`` (host-side)."""
     student_vocab: int
@@ -140,7 +175,7 @@ class Aligned:
         return replace(
             self, n=size, head=self.head[spans] - lo, cont=self.cont[s_lo:s_hi] - lo,
             cont_span=self.cont_span[s_lo:s_hi] - first, cont_token=self.cont_token[s_lo:s_hi],
-            t_head=self.t_head[spans], t_cont=self.t_cont.select(first, count), t_nll=self.t_nll[spans],
+            teacher=self.teacher.select(first, count),
             extent=[(h - lo, e - lo) for h, e in self.extent[spans]],
         )
 
@@ -155,8 +190,8 @@ class Aligned:
         spans = len(self.extent)
         cont_q = log_q[self.cont].gather(-1, self.cont_token.long().unsqueeze(-1)).squeeze(-1)
         c_s = log_q.new_zeros(spans).index_add(0, self.cont_span, cont_q)
-        c_t = self.t_cont.logp(spans, temperature)
-        return merge(log_q[self.head], c_s), merge(log_probs(self.t_head, temperature), c_t)
+        c_t = self.teacher.cont_logp(temperature)
+        return merge(log_q[self.head], c_s), merge(log_probs(self.teacher.head_logits(), temperature), c_t)
 
     def _score(self, log_q: torch.Tensor, divergence: str, beta: float, temperature: float) -> torch.Tensor:
         q, p = self._merged(log_q, temperature)
@@ -179,7 +214,8 @@ class Aligned:
     def teacher_ce(self, labels: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
         """``[n]`` the teacher's −log p of each span's own tokens at its head (0 elsewhere): summed over the student's
         tokens, its cross-entropy on the same text as the student's, per student token."""
-        return self.t_nll.new_zeros(self.n).index_put((self.head,), self.t_nll)
+        t_nll = self.teacher.nll()
+        return t_nll.new_zeros(self.n).index_put((self.head,), t_nll)
 
 
-__all__ = ["Aligned", "KeptContinuation", "TeacherContinuation", "TeacherRows"]
+__all__ = ["Aligned", "KeptSpans", "LiveSpans", "TeacherSpans"]

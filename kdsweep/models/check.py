@@ -127,9 +127,6 @@ def check_cross_tokenizer(cfg: RunConfig, several: bool = False) -> None:
         raise ConfigError(f"teacher.cache.method={cfg.teacher.cache.method} cannot keep what a teacher with another "
                           "tokenizer gives (GOLD and ULD need its whole distribution over each aligned span); use "
                           f"teacher.cache.method=full, or teacher.logits=live, {fix}")
-    if cfg.loss.impl == "fused":
-        raise ConfigError("loss.impl=fused cannot serve a teacher with another tokenizer (its KD terms are per span of "
-                          f"the two tokenizations, not per token); use loss.impl=chunked, {fix}")
     if cfg.rollout.lmbda > 0 or cfg.rollout.seq_kd:
         raise ConfigError("rollout.lmbda and rollout.seq_kd: generation with a teacher of another tokenizer is not "
                           f"supported yet; use lmbda=0 rollout.seq_kd=false, {fix}")

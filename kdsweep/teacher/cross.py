@@ -12,17 +12,17 @@ dropped and counted (:attr:`CrossTargets.dropped`), never silently; the row's fi
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 
 from kdsweep.data.batch import Batch
-from kdsweep.losses.aligned import Aligned, TeacherRows
+from kdsweep.losses.aligned import Aligned, LiveSpans
 from kdsweep.losses.cross_tokenizer import VocabMap
-from kdsweep.losses.divergences import token_log_probs
+from kdsweep.models.heads import final_hidden, frozen_projection
 from kdsweep.teacher.align import Span, align_spans, shared_vocab
 from kdsweep.teacher.reader import RowReader, vocab_bytes
 from kdsweep.teacher.views import ViewReads
@@ -44,7 +44,7 @@ def aligned_targets(
     reads: Sequence[Any],
     labels: torch.Tensor,
     teacher_ids: torch.Tensor,
-    teacher_logits: torch.Tensor,
+    teacher_rows: Callable[[torch.Tensor], torch.Tensor],
     *,
     ignore_index: int,
     student_vocab: int,
@@ -56,13 +56,14 @@ def aligned_targets(
     kl_beta: float = 0.5,
 ) -> CrossTargets:
     """``row_spans[b]``: row b's spans over ``reads[b].student_ids`` (the student's tokens, each predicted by the
-    position ``reads[b].predictor`` gives) and the teacher's tokens ``teacher_ids`` ``[B, Tt]``, whose logits are
-    ``teacher_logits`` ``[B, Tt, Vt]``; ``labels`` ``[B, T]``. Student positions are flattened row by row."""
+    position ``reads[b].predictor`` gives) and the teacher's tokens ``teacher_ids`` ``[B, Tt]``, whose logits at flattened
+    positions ``index`` are ``teacher_rows(index)`` (made one chunk's spans at a time: :class:`LiveSpans`); ``labels``
+    ``[B, T]``. Student positions are flattened row by row."""
     B, T = labels.shape
     Tt = teacher_ids.shape[1]
     trained, t_ids = (labels != ignore_index).tolist(), teacher_ids.tolist()
     head, cont, cont_span, cont_token = [], [], [], []
-    t_head, t_cont, t_cont_token, t_cont_span, t_cont_count, t_nll_rows = [], [], [], [], [], []
+    t_head, t_first, t_cont, t_cont_token, t_cont_span, t_cont_count = [], [], [], [], [], []
     extent, row_dropped = [], [0] * B
     for b, (spans, read) in enumerate(zip(row_spans, reads)):
         for span in spans:
@@ -83,27 +84,27 @@ def aligned_targets(
                 cont_span.append(k)
                 cont_token.append(read.student_ids[j])
             t_head.append(b * Tt + c - 1)
+            t_first.append(t_ids[b][c])
             for u in range(c, d - 1):
                 t_cont.append(b * Tt + u)
                 t_cont_token.append(t_ids[b][u + 1])
                 t_cont_span.append(k)
             t_cont_count.append(d - 1 - c)
-            t_nll_rows.append([(b * Tt + u - 1, t_ids[b][u]) for u in range(c, d)])
-    device = teacher_logits.device
-    flat = teacher_logits.reshape(-1, teacher_logits.shape[-1])
-    long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)
-    with torch.no_grad():
-        picked = token_log_probs(flat[long([r for rows in t_nll_rows for r, _ in rows])],
-                                 long([t for rows in t_nll_rows for _, t in rows]))  # one column, not [M, Vt]
-        owner = long([k for k, rows in enumerate(t_nll_rows) for _ in rows])
-        t_nll = -picked.new_zeros(len(extent)).index_add(0, owner, picked)
+    long = lambda xs: torch.tensor(xs, dtype=torch.long, device=teacher_ids.device)
+    teacher = LiveSpans(teacher_rows, long(t_head), long(t_first), long(t_cont), long(t_cont_token), long(t_cont_span),
+                        t_cont_count)
     targets = Aligned(
         n=B * T, head=long(head), cont=long(cont), cont_span=long(cont_span), cont_token=long(cont_token),
-        t_head=flat[long(t_head)], t_cont=TeacherRows(flat[long(t_cont)], long(t_cont_token), long(t_cont_span), t_cont_count),
-        t_nll=t_nll, extent=extent, student_vocab=student_vocab, loss=loss, vocab_map=vocab_map, w_matched=w_matched, w_unmatched=w_unmatched,
-        kl_divergence=kl_divergence, kl_beta=kl_beta,
+        teacher=teacher, extent=extent, student_vocab=student_vocab, loss=loss, vocab_map=vocab_map,
+        w_matched=w_matched, w_unmatched=w_unmatched, kl_divergence=kl_divergence, kl_beta=kl_beta,
     )
     return CrossTargets(targets, spans=len(extent), dropped=sum(row_dropped), row_dropped=row_dropped)
+
+
+def rows_of(logits: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The teacher rows of kept logits ``[..., Vt]``, by flattened position (``aligned_targets``'s ``teacher_rows``)."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    return lambda index: flat[index]
 
 
 def vocab_map_of(student: Any, teacher: Any, teacher_vocab: int) -> VocabMap:
@@ -129,13 +130,15 @@ class CrossTokenizerTeacher:
     """A live teacher with its own tokenizer (a :class:`~kdsweep.teacher.source.TeacherSource`): each student row is
     read in the teacher's tokens (:class:`~kdsweep.teacher.reader.RowReader`; chat rows in its own template:
     :class:`~kdsweep.teacher.views.ViewReads`), the teacher runs on those, and its targets come back on the
-    student's positions (:class:`~kdsweep.losses.aligned.Aligned`). ``split``: the rows its batches come from."""
+    student's positions (:class:`~kdsweep.losses.aligned.Aligned`). ``split``: the rows its batches come from.
+    ``fused`` (``loss.impl=fused``): the teacher gives its final hidden states, and only the rows a chunk's spans
+    read are projected by its output layer, one chunk at a time, so its ``[positions, Vt]`` logits never exist."""
 
     def __init__(self, model: nn.Module, reader: RowReader | ViewReads, vocab_map: VocabMap, *, loss: str,
                  ignore_index: int, student_vocab: int, max_positions: int, pad_id: int, w_matched: float | None = None,
                  w_unmatched: float | None = None, kl_divergence: str = "forward_kl", kl_beta: float = 0.5,
-                 split: str = "train") -> None:
-        self.model, self.reader, self.vocab_map, self.split = model, reader, vocab_map, split
+                 split: str = "train", fused: bool = False) -> None:
+        self.model, self.reader, self.vocab_map, self.split, self.fused = model, reader, vocab_map, split, fused
         self.loss, self.ignore_index, self.student_vocab = loss, ignore_index, student_vocab
         self.max_positions, self.pad_id = max_positions, pad_id
         self.weights, self.kl = (w_matched, w_unmatched), (kl_divergence, kl_beta)
@@ -143,9 +146,10 @@ class CrossTokenizerTeacher:
         self.kd_spans, self.kd_spans_dropped, self.tokens_unaligned = 0, 0, 0
         """KD spans taken, spans that could not take a term, and student content tokens in no span (cut rows)."""
 
-    def build(self, batch: Batch, split: str | None = None) -> tuple[CrossTargets, list[int]]:
+    @contextmanager
+    def built(self, batch: Batch, split: str | None = None) -> Iterator[tuple[CrossTargets, list[int]]]:
         """The batch's targets (its rows from ``split``, default this teacher's), and per row its student content
-        tokens in no span (a row the teacher's reading changed, or cut)."""
+        tokens in no span (a row the teacher's reading changed, or cut); valid until the context ends."""
         reads = self.reader.read_batch(batch, split or self.split, self.ignore_index)
         ids = batch.input_ids.tolist()
         width = max(1, min(self.max_positions, max(len(r.teacher_ids) for r in reads)))
@@ -158,8 +162,9 @@ class CrossTokenizerTeacher:
         device = batch.input_ids.device
         t_ids, t_pos = t_ids.to(device), t_pos.to(device)
         self.tokens_computed += t_ids.numel()
-        with torch.no_grad():  # right padding needs no mask (causal); packed documents: their position ids
-            logits = self.model(input_ids=t_ids, position_ids=t_pos, use_cache=False).logits
+        inputs = {"input_ids": t_ids, "position_ids": t_pos, "use_cache": False}  # right padding needs no mask
+        with torch.no_grad():  # causal; packed documents: their position ids
+            out = final_hidden(self.model, inputs) if self.fused else self.model(**inputs).logits
         row_spans, unaligned = [], []
         for r in reads:
             try:
@@ -170,18 +175,20 @@ class CrossTokenizerTeacher:
                 continue
             row_spans.append(alignment.spans)
             unaligned.append(alignment.unaligned[0])
-        built = aligned_targets(row_spans, reads, batch.labels, t_ids, logits, ignore_index=self.ignore_index,
-                                student_vocab=self.student_vocab, loss=self.loss, vocab_map=self.vocab_map,
-                                w_matched=self.weights[0], w_unmatched=self.weights[1], kl_divergence=self.kl[0],
-                                kl_beta=self.kl[1])
-        return built, unaligned
+        flat = out.reshape(-1, out.shape[-1])
+        with (frozen_projection(self.model) if self.fused else nullcontext(lambda rows: rows)) as head:
+            built = aligned_targets(row_spans, reads, batch.labels, t_ids, lambda index: head(flat[index]),
+                                    ignore_index=self.ignore_index, student_vocab=self.student_vocab, loss=self.loss,
+                                    vocab_map=self.vocab_map, w_matched=self.weights[0], w_unmatched=self.weights[1],
+                                    kl_divergence=self.kl[0], kl_beta=self.kl[1])
+            yield built, unaligned
 
     @contextmanager
     def targets(self, batch: Batch) -> Iterator[Aligned]:
-        built, unaligned = self.build(batch)
-        self.kd_spans, self.kd_spans_dropped = self.kd_spans + built.spans, self.kd_spans_dropped + built.dropped
-        self.tokens_unaligned += sum(unaligned)
-        yield built.targets
+        with self.built(batch) as (built, unaligned):
+            self.kd_spans, self.kd_spans_dropped = self.kd_spans + built.spans, self.kd_spans_dropped + built.dropped
+            self.tokens_unaligned += sum(unaligned)
+            yield built.targets
 
 
-__all__ = ["CrossTargets", "CrossTokenizerTeacher", "aligned_targets", "vocab_map_of"]
+__all__ = ["CrossTargets", "CrossTokenizerTeacher", "aligned_targets", "rows_of", "vocab_map_of"]

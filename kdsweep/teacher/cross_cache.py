@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import torch
 
 from kdsweep.data.batch import Batch
-from kdsweep.losses.aligned import Aligned, KeptContinuation
+from kdsweep.losses.aligned import Aligned, KeptSpans
 from kdsweep.teacher.build import DTYPES, RowFields
 from kdsweep.teacher.cache import Spec
 from kdsweep.teacher.cached import CachedSplit
@@ -28,16 +28,15 @@ def span_fields(built: CrossTargets, unaligned: list[int], rows: int, length: in
     """A batch's targets as the cache's fields, field → ``[rows, length, width]`` (on the CPU)."""
     t, n = built.targets, rows * length
     head = t.head.cpu()
-    spans = len(t.extent)
     out = {"logits": torch.zeros(n, spec.vocab, dtype=DTYPES[spec.dtype]),
            "span": torch.full((n, 1), -1, dtype=torch.int32),
            "cont_logp": torch.zeros(n, 2), "nll": torch.zeros(n, 1),
            "row_counts": torch.zeros(rows, length, 2, dtype=torch.int32)}
-    out["logits"][head] = t.t_head.cpu().to(out["logits"].dtype)
+    out["logits"][head] = t.teacher.head_logits().cpu().to(out["logits"].dtype)
     out["span"][head, 0] = torch.tensor([last - first for first, last in t.extent], dtype=torch.int32)
     for column, temperature in enumerate((spec.temperature, 1.0)):
-        out["cont_logp"][head, column] = t.t_cont.logp(spans, temperature).float().cpu()
-    out["nll"][head, 0] = t.t_nll.float().cpu()
+        out["cont_logp"][head, column] = t.teacher.cont_logp(temperature).float().cpu()
+    out["nll"][head, 0] = t.teacher.nll().float().cpu()
     out["row_counts"][:, 0, 0] = torch.tensor(built.row_dropped, dtype=torch.int32)
     out["row_counts"][:, 0, 1] = torch.tensor(unaligned, dtype=torch.int32)
     return {k: v.reshape(rows, length, -1) for k, v in out.items()}
@@ -51,8 +50,8 @@ class SpanTargets:
 
     def __call__(self, batch: Batch, split: str) -> tuple[RowFields, int]:
         before = self.source.tokens_computed
-        built, unaligned = self.source.build(batch, split)
-        fields = span_fields(built, unaligned, *batch.input_ids.shape, self.spec)
+        with self.source.built(batch, split) as (built, unaligned):
+            fields = span_fields(built, unaligned, *batch.input_ids.shape, self.spec)
         return (lambda r, index, length: {k: v[r, :length] for k, v in fields.items()}), \
             self.source.tokens_computed - before
 
@@ -94,8 +93,8 @@ def from_fields(raw: dict[str, torch.Tensor], labels: torch.Tensor, spec: Spec, 
     kept = {spec.temperature: move(cont_logp[:, 0]), 1.0: move(cont_logp[:, 1])}
     targets = Aligned(
         n=span.numel(), head=move(head), cont=move(cont), cont_span=move(owner),
-        cont_token=labels.reshape(-1)[move(cont)], t_head=move(raw["logits"].reshape(-1, spec.vocab)[head]),
-        t_cont=KeptContinuation(kept), t_nll=move(raw["nll"].reshape(-1)[head]),
+        cont_token=labels.reshape(-1)[move(cont)],
+        teacher=KeptSpans(move(raw["logits"].reshape(-1, spec.vocab)[head]), kept, move(raw["nll"].reshape(-1)[head])),
         extent=list(zip(head.tolist(), (head + width).tolist())), **scoring,
     )
     dropped, unaligned = raw["row_counts"].reshape(-1, 2).sum(0).tolist()

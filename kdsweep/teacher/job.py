@@ -97,13 +97,15 @@ class CrossPair:
     """The teacher's output layer's rows (its logits' width)."""
     record: dict[str, Any]
     ignore_index: int
+    fused: bool = False
+    """``loss.impl=fused``: the teacher's final hidden states, projected one chunk's spans at a time."""
 
     def live(self, model: torch.nn.Module, split: str = "train") -> Any:
         """The live teacher of ``split``'s rows."""
         from kdsweep.teacher.cross import CrossTokenizerTeacher
 
         return CrossTokenizerTeacher(model, self.reader, ignore_index=self.ignore_index, max_positions=self.max_positions,
-                                     pad_id=self.pad_id, split=split, **self.scoring)
+                                     pad_id=self.pad_id, split=split, fused=self.fused, **self.scoring)
 
 
 def cross_pair(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: RunData, device: torch.device) -> CrossPair:
@@ -146,7 +148,8 @@ def cross_pair(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: RunDa
                "kl_divergence": loss.divergence, "kl_beta": loss.beta}
     return CrossPair(reader, scoring, max_positions=int(t_conf.max_position_embeddings),
                      pad_id=t_tok.pad_token_id if t_tok.pad_token_id is not None else t_tok.eos_token_id,
-                     teacher_vocab=int(t_conf.vocab_size), record=record, ignore_index=loss.ignore_index)
+                     teacher_vocab=int(t_conf.vocab_size), record=record, ignore_index=loss.ignore_index,
+                     fused=loss.impl == "fused")
 
 
 def open_teacher(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: RunData, dist: DistEnv,

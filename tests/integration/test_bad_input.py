@@ -56,7 +56,6 @@ CASES = {
     "cross_tokenizer_lossy": (["teacher.path={root}/lossy_teacher"],
                               "teacher.path={root}/lossy_teacher: its tokenizer does not give the data's text back as it "
                               "is (it reads 'In the beginning God created"),
-    "cross_tokenizer_fused": (["teacher=tiny_other", "loss.impl=fused"], "loss.impl=fused cannot serve a teacher with"),
     "cross_tokenizer_rollout": (["teacher=tiny_other", "rollout.seq_kd=true", "data=instruction",
                                  "data.datasets.0.path={root}/instructions.jsonl"],
                                 "generation with a teacher of another tokenizer"),

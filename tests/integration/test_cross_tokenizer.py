@@ -115,6 +115,32 @@ def test_two_ranks_equal_one_rank_across_tokenizers(cross_runs, tmp_path):
                 assert y[key] == pytest.approx(x[key], abs=1e-5, rel=1e-5), (x["kind"], x["step"], key)
 
 
+def assert_same_rows(a, b, tol):
+    """Two runs' metrics rows: the same steps, every loss and eval value within ``tol``."""
+    for x, y in zip(read_metrics(a), read_metrics(b), strict=True):
+        assert (x["kind"], x["step"]) == (y["kind"], y["step"])
+        for key in ("loss", "ce", "kd", "kl", "student_ce", "teacher_ce", "grad_norm"):
+            if key in x:
+                assert y[key] == pytest.approx(x[key], abs=tol, rel=tol), (x["kind"], x["step"], key)
+
+
+def test_the_fused_loss_across_tokenizers_trains_as_the_chunked_one(cross_runs, tmp_path):
+    """loss.impl=fused with a teacher of another tokenizer (its hidden states projected one chunk's spans at a time,
+    the student's chunk by chunk): the chunked job's numbers on 1 rank, and on 2 FSDP ranks."""
+    runs = {"one": [], "two": ["dist=fsdp2_local"]}
+    with ThreadPoolExecutor(2) as pool:
+        done = [pool.submit(kdsweep, "teacher=tiny_other", "loss.cross_tokenizer=gold", "loss.impl=fused", *SHORT, *extra,
+                            f"hydra.run.dir={tmp_path / name}", cwd=tmp_path) for name, extra in runs.items()]
+        for job in done:
+            job.result()
+    chunked = cross_runs["gold"]
+    for name, tol in (("one", 1e-6), ("two", 1e-5)):  # 2 ranks: summation order (as 2 ranks of the chunked loss)
+        fused = read_run(tmp_path / name)
+        assert fused["config"]["loss"]["impl"] == "fused" and fused["alignment"] == read_run(chunked)["alignment"]
+        assert fused["objective"] == pytest.approx(read_run(chunked)["objective"], abs=tol), name
+        assert_same_rows(chunked, tmp_path / name, tol)
+
+
 @pytest.fixture(scope="module")
 def teacher_sweep(tmp_path_factory, other_teacher):
     """4 trials over teacher=choice(tiny,tiny_other) (two of each, enqueued), reading teacher-logit caches."""
@@ -176,11 +202,21 @@ def mixture(tmp_path_factory, teacher_sweep):
     """Both teachers at once (weights 1 and 3), from the teacher sweep's caches: each teacher's targets cached on
     their own, found built."""
     _, caches = teacher_sweep
-    run_dir = tmp_path_factory.mktemp("mixture") / "both"
-    kdsweep("teachers=[{zoo:tiny-teacher,weight:1},{zoo:tiny-teacher-other,weight:3}]", "teacher.logits=cache",
-            "teacher.cache.method=full", f"teacher.cache.dir={caches}", *SHORT, f"hydra.run.dir={run_dir}",
-            cwd=run_dir.parent)
-    return run_dir
+    root = tmp_path_factory.mktemp("mixture")
+    with ThreadPoolExecutor(2) as pool:  # and with the fused loss
+        done = [pool.submit(kdsweep, "teachers=[{zoo:tiny-teacher,weight:1},{zoo:tiny-teacher-other,weight:3}]",
+                            "teacher.logits=cache", "teacher.cache.method=full", f"teacher.cache.dir={caches}", *SHORT,
+                            *extra, f"hydra.run.dir={root / name}", cwd=root)
+                for name, extra in (("both", []), ("fused", ["loss.impl=fused"]))]
+        for job in done:
+            job.result()
+    return root / "both"
+
+
+def test_the_fused_loss_mixes_a_same_and_an_other_tokenizer_teacher_as_the_chunked_one(mixture):
+    """Both teachers' caches (one Logits, one Aligned) under loss.impl=fused: the chunked job's numbers."""
+    assert read_run(mixture.parent / "fused")["objective"] == pytest.approx(read_run(mixture)["objective"], abs=1e-6)
+    assert_same_rows(mixture, mixture.parent / "fused", 1e-6)
 
 
 def test_several_teachers_mix_their_divergences_each_from_its_own_cache(mixture, teacher_sweep):

@@ -56,8 +56,6 @@ CONFIG = {
     "cross_chat_template": (["teacher=tiny_other", "data=chat", "data.datasets.0.path={root}/x_chat.jsonl",
                              "data.chat_template={root}/x_student.jinja", "data.seq_len=128"],
                             "set teacher.chat_template", ["teacher.chat_template={root}/x_teacher.jinja"]),
-    "teachers_fused": (["teachers=[{{zoo:tiny-teacher}},{{zoo:tiny-teacher-other}}]", "loss.impl=fused"],
-                       "loss.impl=fused cannot serve a teacher with another tokenizer", ["loss.impl=chunked"]),
     "teachers_rollout": (["teachers=[{{zoo:tiny-teacher}},{{zoo:tiny-teacher-other}}]", "rollout=on_policy"],
                          "generation with several teachers is not supported yet; pass lmbda=0 rollout.seq_kd=false",
                          ["lmbda=0", "rollout.seq_kd=false"]),

@@ -161,7 +161,7 @@ def test_gradients_match_finite_differences(loss):
 from kdsweep.losses import kd_loss_sums  # noqa: E402
 from kdsweep.losses.targets import Logits  # noqa: E402
 from kdsweep.teacher.align import Span  # noqa: E402
-from kdsweep.teacher.cross import aligned_targets  # noqa: E402
+from kdsweep.teacher.cross import aligned_targets, rows_of  # noqa: E402
 from kdsweep.teacher.reader import Read  # noqa: E402
 
 B, T, IGNORE = 2, 7, -100
@@ -187,7 +187,7 @@ def test_one_tokenizer_through_the_cross_tokenizer_path_gives_the_same_tokenizer
     spans = [[Span((a, a + 1), (a, a + 1), (a, a + 1)) for a in range(T)] for _ in range(B)]
     identity = VocabMap.of([(i, i) for i in range(VS)], VS, VS)
     for divergence in DIVERGENCES:
-        built = aligned_targets(spans, reads_of(ids), labels, ids, t_logits, ignore_index=IGNORE, student_vocab=VS, loss="gold",
+        built = aligned_targets(spans, reads_of(ids), labels, ids, rows_of(t_logits), ignore_index=IGNORE, student_vocab=VS, loss="gold",
                                 vocab_map=identity, kl_divergence="forward_kl")
         assert built.dropped == 0 and built.spans == int((labels != IGNORE).sum())
         for chunks in (1, 3):
@@ -235,7 +235,7 @@ def ref_cross_sum(ids, labels, t_ids, t_logits, spans, s_logits, loss, weights=N
 @pytest.mark.parametrize("loss", ["gold", "uld"])
 def test_span_targets_match_the_reference_and_no_chunking_changes_them(loss):
     ids, labels, t_ids, t_logits, spans = cross_case()
-    built = aligned_targets(spans, reads_of(ids, 6), labels, t_ids, t_logits, ignore_index=IGNORE, student_vocab=VS, loss=loss,
+    built = aligned_targets(spans, reads_of(ids, 6), labels, t_ids, rows_of(t_logits), ignore_index=IGNORE, student_vocab=VS, loss=loss,
                             vocab_map=VocabMap.of(PAIRS, VS, VT))
     assert built.spans == 6 and built.dropped == 1  # row 1's span over the untrained position 1
     s_logits = rand(B, T, VS, seed=6)
@@ -271,7 +271,7 @@ def test_at_a_temperature_the_uld_parts_carry_t_and_the_matched_part_t_squared()
     want = {"uld": temperature * at_t("uld"),
             "gold": temperature ** 2 * at_t("gold", (w_m, 0.0)) + temperature * at_t("gold", (0.0, 1 - w_m))}
     for loss, expected in want.items():
-        built = aligned_targets(spans, reads_of(ids, 6), labels, t_ids, t_logits, ignore_index=IGNORE, student_vocab=VS,
+        built = aligned_targets(spans, reads_of(ids, 6), labels, t_ids, rows_of(t_logits), ignore_index=IGNORE, student_vocab=VS,
                                 loss=loss, vocab_map=VocabMap.of(PAIRS, VS, VT))
         sums = kd_loss_sums(s_logits, built.targets, labels, ignore_index=IGNORE, temperature=temperature, num_chunks=2)
         assert sums.kd.item() == pytest.approx(expected, rel=1e-12), loss

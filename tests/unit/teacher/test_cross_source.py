@@ -161,8 +161,8 @@ def test_what_the_cache_keeps_of_a_batch_gives_the_live_loss_and_gradients(packe
     spec = Spec(method="full", k=0, temperature=2.0, seed=0, vocab=len(t), dtype="float32", aligned=True)
     for loss in ("gold", "uld"):
         cross = source("byte_level", "metaspace", tiny_model(len(t), seed=4), loss=loss)
-        built, unaligned = cross.build(batch)
-        fields = span_fields(built, unaligned, *batch.input_ids.shape, spec)
+        with cross.built(batch) as (built, unaligned):
+            fields = span_fields(built, unaligned, *batch.input_ids.shape, spec)
         scoring = {"student_vocab": len(s), "loss": loss, "vocab_map": cross.vocab_map}
         kept, dropped, cut = from_fields(fields, batch.labels, spec, scoring, torch.device("cpu"))
         assert (dropped, cut) == (built.dropped, sum(unaligned)) and kept.extent == built.targets.extent
@@ -211,3 +211,41 @@ def test_an_instruction_sample_is_read_in_the_teachers_tokens_and_only_its_respo
     assert covered == trained and cross.kd_spans_dropped == 0 and 0 < cross.kd_spans <= len(trained)
     prompt = [k for k in range(len(sample)) if k not in covered]
     assert (logits.grad[0, prompt].abs().sum(-1) == 0).all() and logits.grad[0, sorted(covered)].abs().sum() > 0
+
+
+@pytest.mark.parametrize("loss", ["gold", "uld"])
+def test_fused_cross_tokenizer_kd_is_the_chunked_one_without_the_teachers_full_logits(loss):
+    """loss.impl=fused with a teacher of another tokenizer: the teacher gives its final hidden states and only the
+    rows a chunk's spans read are projected, one chunk at a time; the student's side is projected chunk by chunk as
+    well. Values and gradients equal the chunked path's (the teacher's full logits, the student's full logits)."""
+    from dataclasses import replace
+
+    from kdsweep.train.chunked import chunked_loss_backward
+    from kdsweep.train.fused import fused_loss_sums
+
+    batch = student_batch("byte_level", True, T=40)
+    s, t = tokenizer("byte_level"), tokenizer("metaspace")
+    teacher = tiny_model(len(t), seed=4)
+    students = [tiny_model(len(s), seed=7).train() for _ in range(2)]
+    kw = dict(divergence="jsd", beta=0.3, temperature=2.0, ignore_index=IGNORE)
+    results, projected = [], []
+    for fused, student in zip((False, True), students):
+        cross = source("byte_level", "metaspace", teacher, loss=loss)
+        cross.fused = fused
+        with cross.targets(batch) as targets:
+            if fused:
+                rows = targets.teacher.rows
+                targets.teacher = replace(targets.teacher, rows=lambda i: projected.append(len(i)) or rows(i))
+                sums, mixed = fused_loss_sums(student, batch.inputs(), targets, batch.labels, kd_ratio=0.4,
+                                              num_chunks=3, **kw)
+                (mixed * 0.5).backward()
+            else:
+                sums = chunked_loss_backward(student(**batch.inputs()).logits, targets, batch.labels, kd_ratio=0.4,
+                                             scale=torch.tensor(0.5), num_chunks=3, **kw)
+        results.append((sums, {n: p.grad for n, p in student.named_parameters()}))
+    (want, g_want), (got, g_got) = results
+    for a, b in zip(got, want):
+        assert a.item() == pytest.approx(b.item(), rel=1e-6, abs=1e-7)
+    for n in g_want:
+        assert torch.allclose(g_got[n], g_want[n], rtol=1e-5, atol=1e-7), n
+    assert 3 <= len(projected) and max(projected) < batch.input_ids.numel() // 2  # a chunk's rows at a time
