@@ -91,15 +91,21 @@ class LiveSpans:
 
 @dataclass
 class KeptSpans:
-    """A teacher-logit cache's: the head logits ``[S, Vt]``, the continuation's log-probabilities ``by_temperature[T]``
-    ``[S]`` at each temperature it kept (the loss's and 1, which the logged distance is at), and ``t_nll`` ``[S]``."""
+    """A teacher-logit cache's: ``read(cells)`` gives the head logits ``[len(cells), Vt]`` kept at the student
+    positions ``cells`` ``[S]`` (host-side; read one chunk's spans at a time, when first asked for), the
+    continuation's log-probabilities ``by_temperature[T]`` ``[S]`` at each temperature it kept (the loss's and 1, which
+    the logged distance is at), and ``t_nll`` ``[S]``."""
 
-    logits: torch.Tensor
+    read: Callable[[torch.Tensor], torch.Tensor]
+    cells: torch.Tensor
     by_temperature: dict[float, torch.Tensor]
     t_nll: torch.Tensor
+    _logits: list[torch.Tensor] = field(default_factory=list, repr=False)
 
     def head_logits(self) -> torch.Tensor:
-        return self.logits
+        if not self._logits:
+            self._logits.append(self.read(self.cells))
+        return self._logits[0]
 
     def cont_logp(self, temperature: float) -> torch.Tensor:
         if temperature not in self.by_temperature:
@@ -112,7 +118,8 @@ class KeptSpans:
 
     def select(self, first: int, count: int) -> "KeptSpans":
         spans = slice(first, first + count)
-        return KeptSpans(self.logits[spans], {t: v[spans] for t, v in self.by_temperature.items()}, self.t_nll[spans])
+        return KeptSpans(self.read, self.cells[spans], {t: v[spans] for t, v in self.by_temperature.items()},
+                         self.t_nll[spans])
 
 
 @dataclass

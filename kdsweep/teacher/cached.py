@@ -54,9 +54,9 @@ class CachedSplit:
         starts at or before it (a rank writes whole rows, so a row's positions are all in its first one's part)."""
         return self.filled[torch.searchsorted(self.filled_starts, positions, right=True) - 1]
 
-    def gather(self, row_ids: torch.Tensor, length: int) -> dict[str, torch.Tensor]:
-        """field → ``[B, length, width]``: each row's positions, zero past its end (padding, never a label). One
-        vectorised index per field and part (no loop over rows); host buffers are pinned when a GPU will read them."""
+    def _cells(self, row_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per cell of a ``[B, length]`` batch of these rows (flattened): whether it is a row's position (not
+        padding), its position in the cache's stream, and the part holding it."""
         slots = self.slot[row_ids]
         if bool((slots < 0).any()):
             raise ValueError(f"row {int(row_ids[slots < 0][0])} of the {self.split} split is not in the teacher cache "
@@ -65,16 +65,28 @@ class CachedSplit:
         offset = torch.arange(length)
         inside = (offset[None, :] < lengths[:, None]).reshape(-1)  # [B·length]: a row's position, not padding
         position = (first[:, None] + offset[None, :]).reshape(-1)
-        part = self._part_of(first).repeat_interleave(length)
-        cells = {i: (inside & (part == i)).nonzero().squeeze(1) for i in self.filled.tolist()}  # each part's cells
-        pin = torch.cuda.is_available()
-        out = {}
-        for name, (dtype, width) in self.spec.fields().items():
-            buf = torch.zeros(len(row_ids) * length, width, dtype=DTYPES[dtype], pin_memory=pin)
-            for i, at in cells.items():
-                _bits(buf)[at] = _bits(self.maps[name][i])[position[at] - self.parts[i]["start"]]
-            out[name] = buf.view(len(row_ids), length, width)
-        return out
+        return inside, position, self._part_of(first).repeat_interleave(length)
+
+    def _read(self, name: str, inside: torch.Tensor, position: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+        """``[cells, width]`` field ``name`` at these cells (zero where not ``inside``): one vectorised index per
+        part; the host buffer pinned when a GPU will read it."""
+        dtype, width = self.spec.fields()[name]
+        buf = torch.zeros(len(position), width, dtype=DTYPES[dtype], pin_memory=torch.cuda.is_available())
+        for i in self.filled.tolist():
+            at = (inside & (part == i)).nonzero().squeeze(1)
+            _bits(buf)[at] = _bits(self.maps[name][i])[position[at] - self.parts[i]["start"]]
+        return buf
+
+    def gather(self, row_ids: torch.Tensor, length: int, names: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
+        """field → ``[B, length, width]`` (every field, or ``names``): each row's positions, zero past its end
+        (padding, never a label); no loop over rows."""
+        cells = self._cells(row_ids, length)
+        return {name: self._read(name, *cells).view(len(row_ids), length, -1)
+                for name in (names or tuple(self.spec.fields()))}
+
+    def gather_at(self, row_ids: torch.Tensor, length: int, name: str, at: torch.Tensor) -> torch.Tensor:
+        """``[len(at), width]``: field ``name`` at the flattened cells ``at`` of the ``[B, length]`` batch only."""
+        return self._read(name, *(c[at] for c in self._cells(row_ids, length)))
 
 
 class CachedTeacher:

@@ -12,7 +12,7 @@ is the head, the span's length and the row's labels. The continuation is kept at
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -71,8 +71,11 @@ class CachedCrossTeacher:
         if batch.rows is None:
             raise ValueError("a cached teacher needs batches made by Rows.batch (they carry their row indices)")
         self.tokens_read += batch.input_ids.numel()
-        targets, dropped, unaligned = from_fields(self.split.gather(batch.rows, batch.input_ids.shape[1]),
-                                                  batch.labels, self.split.spec, self.scoring, self.device)
+        rows, length = batch.rows, batch.input_ids.shape[1]
+        fields = tuple(name for name in self.split.spec.fields() if name != "logits")  # those only at heads, by chunk
+        targets, dropped, unaligned = from_fields(
+            self.split.gather(rows, length, fields), batch.labels, self.split.spec, self.scoring, self.device,
+            lambda cells: self.split.gather_at(rows, length, "logits", cells).to(self.device, non_blocking=True))
         self.kd_spans += len(targets.extent)
         self.kd_spans_dropped += dropped
         self.tokens_unaligned += unaligned
@@ -80,9 +83,11 @@ class CachedCrossTeacher:
 
 
 def from_fields(raw: dict[str, torch.Tensor], labels: torch.Tensor, spec: Spec, scoring: dict[str, Any],
-                device: torch.device) -> tuple[Aligned, int, int]:
+                device: torch.device, logits_at: Callable[[torch.Tensor], torch.Tensor]) -> tuple[Aligned, int, int]:
     """The targets of a batch whose ``labels`` are ``[B, T]`` from its cached fields (field → ``[B, T, width]``,
-    :func:`span_fields`), and the spans its rows could not train and their tokens in no span."""
+    :func:`span_fields`, but the logits), and the spans its rows could not train and their tokens in no span.
+    ``logits_at(cells)``: the kept logits ``[len(cells), Vt]`` at the batch's flattened cells, on ``device``: read
+    one chunk's span heads at a time, so no ``[B·T, Vt]`` tensor is read."""
     span = raw["span"].reshape(-1).long()
     head = (span >= 0).nonzero().squeeze(-1)
     width = span[head]
@@ -94,7 +99,7 @@ def from_fields(raw: dict[str, torch.Tensor], labels: torch.Tensor, spec: Spec, 
     targets = Aligned(
         n=span.numel(), head=move(head), cont=move(cont), cont_span=move(owner),
         cont_token=labels.reshape(-1)[move(cont)],
-        teacher=KeptSpans(move(raw["logits"].reshape(-1, spec.vocab)[head]), kept, move(raw["nll"].reshape(-1)[head])),
+        teacher=KeptSpans(logits_at, head, kept, move(raw["nll"].reshape(-1)[head])),
         extent=list(zip(head.tolist(), (head + width).tolist())), **scoring,
     )
     dropped, unaligned = raw["row_counts"].reshape(-1, 2).sum(0).tolist()

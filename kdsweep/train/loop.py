@@ -159,6 +159,7 @@ def _train(
         total=cfg.train.max_steps, initial=trial.start_step, desc="kd", disable=not (cfg.logger.progress_bar and dist.is_main)
     )
     profiler = step_profiler(cfg.profiler, out, device, dist.rank)
+    reset_peak_memory(device)  # train rows' peak_mem_mb: the steps' (and evaluations'), not loading's transients
     meter.start_loop()
     in_steps = comm.Tally()  # what the training steps issued (the rest: loading, evaluations, checkpoints)
     with profiler:

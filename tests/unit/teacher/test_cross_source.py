@@ -164,7 +164,8 @@ def test_what_the_cache_keeps_of_a_batch_gives_the_live_loss_and_gradients(packe
         with cross.built(batch) as (built, unaligned):
             fields = span_fields(built, unaligned, *batch.input_ids.shape, spec)
         scoring = {"student_vocab": len(s), "loss": loss, "vocab_map": cross.vocab_map}
-        kept, dropped, cut = from_fields(fields, batch.labels, spec, scoring, torch.device("cpu"))
+        kept, dropped, cut = from_fields(fields, batch.labels, spec, scoring, torch.device("cpu"),
+                                         lambda cells: fields["logits"].reshape(-1, len(t))[cells])
         assert (dropped, cut) == (built.dropped, sum(unaligned)) and kept.extent == built.targets.extent
         assert 0 < len(kept.extent) < int((batch.labels != IGNORE).sum())  # the cut word's tail takes no term
         for temperature in (2.0, 1.0):

