@@ -135,9 +135,12 @@ def main() -> None:
     arms = ["ce_only", *(a for a in args.arms if a != "ce_only")]
     sizes = {}
     for tokens in args.tokens:
-        for arm in arms:  # a cache's build is a job of its own, before the measured one reads it
-            if "cache" in arm and not (args.work / "runs" / str(tokens) / f"{arm.replace('/', '-')}-build").exists():
+        built = set()
+        for arm in arms:  # a cache's build is a job of its own (one per teacher kind), before the measured ones read it
+            kind = arm.split("/")[0]
+            if "cache" in kind and kind not in built:
                 job(arm, tokens, args.steps, args.threads, args.work, models, "build")
+                built.add(kind)
         res = {}
         for arm in arms:
             res[arm] = job(arm, tokens, args.steps, args.threads, args.work, models, "measured")

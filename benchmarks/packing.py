@@ -151,7 +151,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
     arm, seed = spec["arm"], spec["seed"]
     t_start = time.perf_counter()
-    student_cfg, loss_cfg, optim_cfg = StudentConfig(zoo="tiny-student"), LossConfig(), OptimConfig()
+    student_cfg, loss_cfg, optim_cfg = StudentConfig(zoo="tiny-student"), LossConfig(impl="chunked"), OptimConfig()
     student_dir, teacher_dir = resolve_dir(student_cfg), resolve_dir(TeacherConfig(zoo="tiny-teacher"))
     tokenizer = load_tokenizer(student_dir)
     data = load_data(data_config(arm, spec), tokenizer, student_dir, loss_cfg.ignore_index)

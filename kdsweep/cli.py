@@ -24,7 +24,7 @@ def _sweep_dir(args: list[str], command: str) -> Path:
 
 def status(args: list[str]) -> None:
     from kdsweep.sweep.controller import summary_lines
-    from kdsweep.sweep.cost import cost_lines, sweep_cost
+    from kdsweep.sweep.cost import cache_lines, cost_lines, sweep_cost
     from kdsweep.sweep.manifest import Manifest
     from kdsweep.sweep.workers import worker_lines
 
@@ -32,7 +32,8 @@ def status(args: list[str]) -> None:
     settings = manifest.data["settings"]
     print(f"sweep {manifest.path.parent} (study {manifest.data['study_name']}, {len(manifest.trials)} of "
           f"{settings['n_trials']} trials, storage {settings['storage'] or 'sqlite in the sweep dir'})")
-    print("\n".join([*summary_lines(manifest), *worker_lines(manifest.path.parent), *cost_lines(sweep_cost(manifest))]))
+    print("\n".join([*summary_lines(manifest), *worker_lines(manifest.path.parent), *cost_lines(sweep_cost(manifest)),
+                     *cache_lines(manifest)]))
 
 
 def resume(args: list[str]) -> None:

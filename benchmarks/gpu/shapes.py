@@ -308,6 +308,9 @@ class _TeacherHead:
     def __init__(self, head: nn.Module, hidden: torch.Tensor, fused: bool) -> None:
         self.head, self.hidden, self.fused = head, hidden, fused
 
+    def prefetch(self, batches) -> None:  # nothing to read ahead
+        pass
+
     @contextmanager
     def targets(self, batch) -> Iterator[Any]:
         from kdsweep.losses.targets import Logits

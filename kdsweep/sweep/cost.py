@@ -104,6 +104,25 @@ def comm_line(comm: dict[str, Any]) -> str | None:
             + "; ".join(parts) + ("" if teachers else "; teacher none (replicated, or a cache)"))
 
 
+def cache_lines(manifest: Manifest) -> list[str]:
+    """``kdsweep status``: each teacher-logit cache the sweep's trials read, what it keeps and what that weighs: bytes
+    per position (its teacher's whole vocabulary per position, or a few fields), positions held, bytes on disk."""
+    seen: dict[str, dict[str, Any]] = {}
+    for entry in manifest.trials.values():
+        for t in _teachers(_record(entry)):
+            if t.get("source") == "cache" and t.get("dir"):
+                seen.setdefault(t["dir"], t)
+    lines = []
+    for where, t in sorted(seen.items()):
+        meta = Path(where) / "meta.json"
+        positions = sum(s["positions"] for s in json.loads(meta.read_text())["splits"].values()) if meta.exists() else 0
+        kind = "cross-tokenizer " if "cross_tokenizer" in t else ""
+        k = f" k={t['k']}" if t["method"] != "full" else ""
+        lines.append(f"teacher cache {Path(where).name}: {kind}{t['method']}{k}, {t['bytes_per_position']:,} B per "
+                     f"position × {positions:,} positions = {_size(t['bytes_per_position'] * positions)}")
+    return lines
+
+
 def cost_lines(cost: dict[str, Any]) -> list[str]:
     """The sweep's cost for ``kdsweep status`` and the sweep's summary."""
     if not cost["trials"]:

@@ -11,16 +11,18 @@ case                          source (module)                                   
 live, same tokenizer          ``LiveTeacher`` (live): runs the frozen model        ``Logits`` (logits, or hidden
                                                                                    states + head with loss.impl=fused)
 live, another tokenizer       ``CrossTokenizerTeacher`` (cross): the teacher       ``Aligned``, span by span
-                              reads each row in its own tokens (reader, views),
-                              aligned to the student's (align)
+                              reads each row in its own tokens (reader, views),    (``LiveSpans``: its logits' rows,
+                              aligned to the student's (align)                     or hidden states projected by
+                                                                                   chunk with loss.impl=fused)
 cache, same tokenizer         ``CachedTeacher`` (cached), built once by            ``Logits`` (full), ``Samples``,
                               ``PlainTargets`` (build)                             ``TopK``
-cache, another tokenizer      ``CachedCrossTeacher`` (cross_cache), built by       ``Aligned``
-                              ``SpanTargets``
+cache, another tokenizer      ``CachedCrossTeacher`` (cross_cache), built by       ``Aligned`` (``KeptSpans``: head
+                              ``SpanTargets``                                      logits read by chunk)
 several teachers (any above)  ``MixedTeacher`` (mixture) of each one's source      ``Mixture`` of each one's
 kd_ratio=0, training steps    ``TeacherFree`` (absent): no teacher at all          ``NoTargets``
 ============================  ===================================================  ===================================
 
 A cache memory-maps what one teacher pass wrote beside the tokenization cache (:mod:`kdsweep.teacher.cache`), so a
-job that reads it never loads the teacher.
+job that reads it never loads the teacher; the step tells its source which micro-batches come next
+(``TeacherSource.prefetch``), and a cache reads each one's fields while the one before it trains.
 """

@@ -22,6 +22,7 @@ from kdsweep.config.schema import RunConfig
 from kdsweep.data.batch import Batch
 from kdsweep.losses.targets import Targets, chunk_sizes
 from kdsweep.teacher.job import Teacher
+from kdsweep.teacher.source import TeacherSource
 
 
 @dataclass
@@ -59,7 +60,7 @@ class NoTargets:
         return torch.full(labels.shape, math.nan, device=labels.device)
 
 
-class TeacherFree:
+class TeacherFree(TeacherSource):
     """The training source of a ``kd_ratio=0`` run: :class:`NoTargets` for every batch; no teacher token is computed
     or read."""
 

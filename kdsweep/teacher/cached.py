@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Hashable, Iterator, Sequence
 
 import torch
 
@@ -13,6 +15,7 @@ from kdsweep.data.rows import Rows
 from kdsweep.losses.targets import Logits, Samples, Targets, TopK
 from kdsweep.teacher.build import DTYPES
 from kdsweep.teacher.cache import Spec, read_meta
+from kdsweep.teacher.source import TeacherSource
 
 
 _SIGNED = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
@@ -89,22 +92,66 @@ class CachedSplit:
         return self._read(name, *(c[at] for c in self._cells(row_ids, length)))
 
 
-class CachedTeacher:
-    """The teacher's targets for the rows of one split, from its cache (a :class:`~kdsweep.teacher.TeacherSource`)."""
+class ReadAhead:
+    """Reads from a cache ahead of their use: told the batches that come next (:meth:`expect`), it reads the first on a
+    background thread, and each time one is taken (:meth:`get`) starts the next, so a micro-batch's fields are read
+    from the memory map while the one before it trains (torch's indexing and copies release the GIL). A batch it was
+    not told of is read at once; one read runs at a time, so at most two batches' fields are held."""
+
+    def __init__(self, read: Callable[[Batch], dict[str, torch.Tensor]]) -> None:
+        self.read, self.pool = read, None
+        self.queue: deque[Batch] = deque()
+        self.pending: tuple[Hashable, Future] | None = None
+
+    @staticmethod
+    def key(batch: Batch) -> Hashable:
+        return tuple(batch.rows.tolist()), batch.input_ids.shape[1]
+
+    def expect(self, batches: Sequence[Batch]) -> None:
+        self.queue = deque(b for b in batches if b.rows is not None)
+        if self.pending is None:
+            self._start_next()
+
+    def _start_next(self) -> None:
+        self.pending = None
+        if self.queue:
+            batch = self.queue.popleft()
+            if self.pool is None:
+                self.pool = ThreadPoolExecutor(1, thread_name_prefix="kdsweep-cache-read")
+            self.pending = (self.key(batch), self.pool.submit(self.read, batch))
+
+    def get(self, batch: Batch) -> dict[str, torch.Tensor]:
+        if self.pending is None or self.pending[0] != self.key(batch):
+            return self.read(batch)
+        future = self.pending[1]
+        self._start_next()
+        return future.result()
+
+
+class CachedTeacher(TeacherSource):
+    """The teacher's targets for the rows of one split, from its cache (a :class:`~kdsweep.teacher.TeacherSource`);
+    the fields of the batches it is told come next are read ahead (:class:`ReadAhead`)."""
 
     def __init__(self, split: CachedSplit, device: torch.device) -> None:
         self.split, self.device = split, device
         self.tokens_computed, self.tokens_read = 0, 0
+        self.ahead = ReadAhead(self._read)
+
+    def _read(self, batch: Batch) -> dict[str, torch.Tensor]:
+        raw = self.split.gather(batch.rows, batch.input_ids.shape[1])
+        if "ids" in raw:
+            raw["ids"] = raw["ids"].to(torch.int64)  # uint16 on disk: widened here, where every device can
+        return raw
+
+    def prefetch(self, batches: Sequence[Batch]) -> None:
+        self.ahead.expect(batches)
 
     @contextmanager
     def targets(self, batch: Batch) -> Iterator[Targets]:
         if batch.rows is None:
             raise ValueError("a cached teacher needs batches made by Rows.batch (they carry their row indices)")
-        length = batch.input_ids.shape[1]
         self.tokens_read += batch.input_ids.numel()
-        raw = self.split.gather(batch.rows, length)
-        if "ids" in raw:
-            raw["ids"] = raw["ids"].to(torch.int64)  # uint16 on disk: widened here, where every device can
+        raw = self.ahead.get(batch)
         fields = {k: v.to(self.device, non_blocking=True).reshape(-1, v.shape[-1]) for k, v in raw.items()}
         spec = self.split.spec
         if spec.method == "full":

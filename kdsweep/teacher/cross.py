@@ -25,6 +25,7 @@ from kdsweep.losses.cross_tokenizer import VocabMap
 from kdsweep.models.heads import final_hidden, frozen_projection
 from kdsweep.teacher.align import Span, align_spans, shared_vocab
 from kdsweep.teacher.reader import RowReader, vocab_bytes
+from kdsweep.teacher.source import TeacherSource
 from kdsweep.teacher.views import ViewReads
 
 
@@ -126,7 +127,7 @@ def vocab_map_of(student: Any, teacher: Any, teacher_vocab: int) -> VocabMap:
     return VocabMap.of(sorted(pairs), len(student), teacher_vocab)
 
 
-class CrossTokenizerTeacher:
+class CrossTokenizerTeacher(TeacherSource):
     """A live teacher with its own tokenizer (a :class:`~kdsweep.teacher.source.TeacherSource`): each student row is
     read in the teacher's tokens (:class:`~kdsweep.teacher.reader.RowReader`; chat rows in its own template:
     :class:`~kdsweep.teacher.views.ViewReads`), the teacher runs on those, and its targets come back on the

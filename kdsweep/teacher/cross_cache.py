@@ -12,7 +12,7 @@ is the head, the span's length and the row's labels. The continuation is kept at
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -20,8 +20,9 @@ from kdsweep.data.batch import Batch
 from kdsweep.losses.aligned import Aligned, KeptSpans
 from kdsweep.teacher.build import DTYPES, RowFields
 from kdsweep.teacher.cache import Spec
-from kdsweep.teacher.cached import CachedSplit
+from kdsweep.teacher.cached import CachedSplit, ReadAhead
 from kdsweep.teacher.cross import CrossTargets, CrossTokenizerTeacher
+from kdsweep.teacher.source import TeacherSource
 
 
 def span_fields(built: CrossTargets, unaligned: list[int], rows: int, length: int, spec: Spec) -> dict[str, torch.Tensor]:
@@ -56,15 +57,21 @@ class SpanTargets:
             self.source.tokens_computed - before
 
 
-class CachedCrossTeacher:
+class CachedCrossTeacher(TeacherSource):
     """A cross-tokenizer teacher's targets read from its cache (a :class:`~kdsweep.teacher.TeacherSource`);
     ``scoring``: how the spans are scored (:class:`Aligned`'s settings: ``student_vocab``, ``loss``, ``vocab_map``,
-    the GOLD weights and the logged divergence)."""
+    the GOLD weights and the logged divergence). The fields but the head logits of the batches it is told come next
+    are read ahead (:class:`~kdsweep.teacher.cached.ReadAhead`); the head logits, one chunk's at a time."""
 
     def __init__(self, split: CachedSplit, device: torch.device, scoring: dict[str, Any]) -> None:
         self.split, self.device, self.scoring = split, device, scoring
         self.tokens_computed, self.tokens_read = 0, 0
         self.kd_spans, self.kd_spans_dropped, self.tokens_unaligned = 0, 0, 0
+        fields = tuple(name for name in split.spec.fields() if name != "logits")
+        self.ahead = ReadAhead(lambda batch: split.gather(batch.rows, batch.input_ids.shape[1], fields))
+
+    def prefetch(self, batches: Sequence[Batch]) -> None:
+        self.ahead.expect(batches)
 
     @contextmanager
     def targets(self, batch: Batch) -> Iterator[Aligned]:
@@ -72,9 +79,8 @@ class CachedCrossTeacher:
             raise ValueError("a cached teacher needs batches made by Rows.batch (they carry their row indices)")
         self.tokens_read += batch.input_ids.numel()
         rows, length = batch.rows, batch.input_ids.shape[1]
-        fields = tuple(name for name in self.split.spec.fields() if name != "logits")  # those only at heads, by chunk
         targets, dropped, unaligned = from_fields(
-            self.split.gather(rows, length, fields), batch.labels, self.split.spec, self.scoring, self.device,
+            self.ahead.get(batch), batch.labels, self.split.spec, self.scoring, self.device,
             lambda cells: self.split.gather_at(rows, length, "logits", cells).to(self.device, non_blocking=True))
         self.kd_spans += len(targets.extent)
         self.kd_spans_dropped += dropped

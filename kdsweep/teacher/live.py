@@ -11,9 +11,10 @@ from torch import nn
 from kdsweep.data.batch import Batch
 from kdsweep.losses.targets import Logits
 from kdsweep.models.heads import final_hidden, frozen_projection
+from kdsweep.teacher.source import TeacherSource
 
 
-class LiveTeacher:
+class LiveTeacher(TeacherSource):
     """Logits of the teacher ``model`` (eval mode, frozen). With ``fused`` it gives the final hidden states and
     its output layer instead, projected chunk by chunk by the loss, so no ``[B, T, V]`` tensor exists; the layer is
     unsharded (FSDP) until the context ends."""

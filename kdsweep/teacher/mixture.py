@@ -7,7 +7,7 @@ import hashlib
 import json
 import logging
 from contextlib import ExitStack, contextmanager
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from kdsweep.data.batch import Batch
 from kdsweep.losses.mixture import Mixture
@@ -17,7 +17,7 @@ from kdsweep.teacher.source import TeacherSource
 log = logging.getLogger(__name__)
 
 
-class MixedTeacher:
+class MixedTeacher(TeacherSource):
     """A :class:`~kdsweep.teacher.source.TeacherSource` of several: ``sources[i]`` weighs ``weights[i]``."""
 
     def __init__(self, sources: list[TeacherSource], weights: list[float]) -> None:
@@ -30,6 +30,10 @@ class MixedTeacher:
     @property
     def tokens_read(self) -> int:
         return sum(s.tokens_read for s in self.sources)
+
+    def prefetch(self, batches: Sequence[Batch]) -> None:
+        for s in self.sources:
+            s.prefetch(batches)
 
     @contextmanager
     def targets(self, batch: Batch) -> Iterator[Mixture]:

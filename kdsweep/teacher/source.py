@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ContextManager, Protocol
+from typing import ContextManager, Protocol, Sequence
 
 from kdsweep.data.batch import Batch
 from kdsweep.losses.targets import Targets
@@ -19,6 +19,10 @@ class TeacherSource(Protocol):
     def targets(self, batch: Batch) -> ContextManager[Targets]:
         """The targets of ``batch``'s tokens (flattened ``[B·T]``), valid until the context ends."""
         ...
+
+    def prefetch(self, batches: Sequence[Batch]) -> None:
+        """The batches whose targets will be asked for next, in order: a cache reads each one ahead, while the one
+        before it trains (:class:`~kdsweep.teacher.cached.ReadAhead`); nothing to do for the others (this default)."""
 
 
 __all__ = ["TeacherSource"]

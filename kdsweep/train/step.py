@@ -93,6 +93,7 @@ def train_step(
     global_tokens = dist.all_reduce_sum(torch.as_tensor(local_tokens, dtype=torch.float32).clone())
     scale = dist.world_size / global_tokens.clamp_min(1.0)
     totals = torch.zeros(3, dtype=torch.float32, device=global_tokens.device)  # Σce, Σkd, Σkl
+    teacher.prefetch(micro_batches)  # a cache reads each micro-batch's targets while the one before trains
     for batch in micro_batches:
         sums = micro_batch_backward(student, teacher, batch, loss_cfg, scale)
         totals += torch.stack([sums.ce, sums.kd, sums.kl])
@@ -137,6 +138,7 @@ def evaluate(
     a training step does. The KL is at the targets' ``kl_temperature`` (1 for a live teacher or a full cache).
     """
     student.eval()
+    teacher.prefetch(batches)
     sums = None  # Σ student ce, Σ kl, Σ teacher ce, tokens
     for batch in batches:
         if sums is None:

@@ -177,6 +177,16 @@ def test_a_sweep_over_the_teacher_builds_one_cache_per_teacher(teacher_sweep):
         assert ("cross_tokenizer" in reader["teacher_targets"]) == (zoo == "tiny-teacher-other")
     sweep = json.loads((sweep_dir / "sweep.json").read_text())
     assert sweep["cost"]["cache_builds"] == 2
+    status = kdsweep("status", str(sweep_dir), cwd=sweep_dir.parent).stdout
+    for zoo, runs in by_teacher.items():  # what each cache weighs, as its meta.json and its spec say
+        t = runs[0]["teacher_targets"]
+        meta = json.loads((Path(t["dir"]) / "meta.json").read_text())
+        positions = sum(s["positions"] for s in meta["splits"].values())
+        kind = "cross-tokenizer full" if zoo == "tiny-teacher-other" else "full"
+        assert t["bytes_per_position"] == 4 * (1536 if zoo == "tiny-teacher-other" else 2048) + (
+            24 if zoo == "tiny-teacher-other" else 0)  # fp32 logits (+ span, continuation at 2 T, NLL, row counts)
+        assert f"teacher cache {Path(t['dir']).name}: {kind}, {t['bytes_per_position']:,} B per position × " \
+            f"{positions:,} positions" in status, status
 
 
 def test_the_cache_of_a_teacher_with_another_tokenizer_trains_as_the_live_teacher(teacher_sweep, cross_runs):
