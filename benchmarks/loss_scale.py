@@ -8,7 +8,8 @@ a Qwen3 teacher (hidden 128, 151,936 output rows). Each arm is one ``python -m k
 
 - teacher kinds: ``live`` (the Llama teacher), ``cache_sample`` / ``cache_topk`` (its teacher-logit cache, built by
   an unmeasured job first), ``cross_gold`` / ``cross_uld`` (the Qwen3 teacher: another tokenizer, live),
-  ``cross_gold_cache`` / ``cross_uld_cache`` (its cache: ``full`` rows today), ``two`` (both teachers live);
+  ``cross_gold_cache`` / ``cross_uld_cache`` (its cache of ``full`` rows), ``cross_gold_topk`` / ``cross_uld_topk``
+  (its sparse cache: the top 12 tokens of each span head and the tail), ``two`` (both teachers live);
 - loss kinds: ``chunked`` and ``fused`` for each;
 - ``ce_only``: ``kd_ratio=0`` with ``fused`` (no teacher in the training steps): the models' own memory (weights,
   activations, optimizer) with no KD loss path, which every arm's peak is compared with.
@@ -52,6 +53,10 @@ TEACHERS = {  # teacher kind → overrides ({m}: the models' folder)
                          "teacher.cache.method=full"],
     "cross_uld_cache": ["teacher.path={m}/qwen3_teacher", "loss.cross_tokenizer=uld", "teacher.logits=cache",
                         "teacher.cache.method=full"],
+    "cross_gold_topk": ["teacher.path={m}/qwen3_teacher", "loss.cross_tokenizer=gold", "teacher.logits=cache",
+                        "teacher.cache.method=topk"],
+    "cross_uld_topk": ["teacher.path={m}/qwen3_teacher", "loss.cross_tokenizer=uld", "teacher.logits=cache",
+                       "teacher.cache.method=topk"],
     "two": ["teachers=[{{path:{m}/llama_teacher,weight:1}},{{path:{m}/qwen3_teacher,weight:1}}]"],
 }
 ARMS = {"ce_only": ["kd_ratio=0", "teacher.path={m}/llama_teacher", "loss.impl=fused"],
@@ -138,7 +143,7 @@ def main() -> None:
         built = set()
         for arm in arms:  # a cache's build is a job of its own (one per teacher kind), before the measured ones read it
             kind = arm.split("/")[0]
-            if "cache" in kind and kind not in built:
+            if ("cache" in kind or "topk" in kind) and kind not in built:
                 job(arm, tokens, args.steps, args.threads, args.work, models, "build")
                 built.add(kind)
         res = {}

@@ -54,9 +54,12 @@ def resolve(cfg: DictConfig) -> dict[str, Any]:
 def validate(raw: dict[str, Any]) -> RunConfig:
     """Typed config + every check that needs no weights (paths, tokenizers, context length, data files)."""
     from kdsweep.data.check import preflight_data
-    from kdsweep.models.check import preflight_models, preflight_targets
+    from kdsweep.models.check import choose_impl, preflight_models, preflight_targets
 
     cfg = to_run_config(raw)
+    if cfg.loss.impl == "auto":  # chosen once, from the models' configs; run.json records the choice
+        raw["loss"]["impl"] = choose_impl(cfg)
+        cfg = to_run_config(raw)
     for _, view in cfg.teacher_views():  # each teacher with the student
         preflight_models(view, several=bool(cfg.teachers))
     preflight_targets(cfg)

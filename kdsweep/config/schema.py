@@ -281,7 +281,7 @@ class LossConfig:
 
     DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "jsd_normalized", "tvd", "symmetric")
     """Allowed ``divergence`` values (the same tuple as ``kdsweep.losses.DIVERGENCES``; a test keeps them equal)."""
-    IMPLS = ("dense", "chunked", "fused")
+    IMPLS = ("auto", "dense", "chunked", "fused")
     """Allowed ``impl`` values."""
     CROSS_TOKENIZER = ("gold", "uld")
     """Allowed ``cross_tokenizer`` values (kdsweep.losses.cross_tokenizer.CROSS_TOKENIZER_LOSSES)."""
@@ -297,12 +297,15 @@ class LossConfig:
     beta: float = 0.5
     """β in [0, 1] of jsd (the teacher's weight in the mixture), jsd_normalized and symmetric (0 = forward-KL end,
     1 = reverse-KL end); unused by the other divergences."""
-    impl: str = "chunked"
+    impl: str = "auto"
     """How the loss is computed. dense: from the models' full logits in one piece; chunked: the same logits, the
     loss in ``num_chunks`` token chunks, each differentiated at once (one chunk's fp32 temporaries at a time, beside
-    the logits and their gradient); fused: from the
-    final hidden states, each chunk projected by the output layers and differentiated at once, so the B×T×V
-    logits never exist. Same values and gradients (to fp32 rounding) either way."""
+    the logits and their gradient); fused: from the final hidden states, each chunk projected by the output layers
+    and differentiated at once, so neither model's B×T×V logits ever exist. Same values and gradients (to fp32
+    rounding) either way. auto: fused, unless the student or a live teacher applies a transform to its logits after
+    its output layer (Gemma 2's soft-capping, Cohere's logit scale), which only the logits paths can: then chunked.
+    Resolved once before launch (kdsweep.models.check.choose_impl; run.json records the choice); a config built in
+    code and never validated trains auto as chunked."""
     num_chunks: int = 8
     """Token chunks the loss is computed over with ``impl=chunked`` (bounds the fp32 working set)."""
     ignore_index: int = -100

@@ -10,21 +10,23 @@ teacher's logits kept here, and scores them with GOLD or ULD; every other positi
 
 Tensors: ``head`` ``[S]`` student positions; ``cont`` ``[M]`` student positions, ``cont_span`` ``[M]`` their spans and
 ``cont_token`` ``[M]`` the tokens they predict; ``teacher`` the teacher's side of each span (:class:`TeacherSpans`):
-the logits predicting its first teacher token, the log-probability of its later ones and its −log p of all of them,
+the distribution of its first teacher token, the log-probability of its later ones and its −log p of all of them,
 from a live teacher's rows (:class:`LiveSpans`: kept logits, or hidden states projected one chunk at a time) or from
-what a teacher-logit cache kept (:class:`KeptSpans`). Continuation rows are in span order. ``extent`` and the
+what a teacher-logit cache kept (:class:`KeptSpans`: logits, or a sparse form: :func:`kept_distribution`). Continuation rows are in span order. ``extent`` and the
 continuation counts are host-side, so that :meth:`cuts` and :meth:`split` need no device sync.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol
 
 import torch
+import torch.nn.functional as F
 
 from kdsweep.losses.cross_tokenizer import VocabMap, gold, merge, uld, uld_scale
-from kdsweep.losses.divergences import log_probs, token_log_probs
+from kdsweep.losses.divergences import log_probs, token_log_probs, upcast
 from kdsweep.losses.targets import cuts_avoiding
 
 
@@ -32,8 +34,8 @@ class TeacherSpans(Protocol):
     """The teacher's side of each span: the logits predicting its first teacher token, the log-probability of its
     later ones, and its −log p of all of them."""
 
-    def head_logits(self) -> torch.Tensor:
-        """``[S, Vt]`` the logits predicting each span's first teacher token."""
+    def head_log_probs(self, temperature: float) -> torch.Tensor:
+        """``[S, Vt]`` the log-probabilities at ``temperature`` of each span's first teacher token."""
         ...
 
     def cont_logp(self, temperature: float) -> torch.Tensor:
@@ -75,6 +77,9 @@ class LiveSpans:
     def head_logits(self) -> torch.Tensor:
         return self._all()[: len(self.head_row)]
 
+    def head_log_probs(self, temperature: float) -> torch.Tensor:
+        return log_probs(self.head_logits(), temperature)
+
     def cont_logp(self, temperature: float) -> torch.Tensor:
         lp = token_log_probs(self._all()[len(self.head_row):], self.cont_token, temperature)
         return lp.new_zeros(len(self.head_row)).index_add(0, self.cont_span, lp)
@@ -91,21 +96,28 @@ class LiveSpans:
 
 @dataclass
 class KeptSpans:
-    """A teacher-logit cache's: ``read(cells)`` gives the head logits ``[len(cells), Vt]`` kept at the student
-    positions ``cells`` ``[S]`` (host-side; read one chunk's spans at a time, when first asked for), the
-    continuation's log-probabilities ``by_temperature[T]`` ``[S]`` at each temperature it kept (the loss's and 1, which
-    the logged distance is at), and ``t_nll`` ``[S]``."""
+    """A teacher-logit cache's: ``read(cells)`` gives what it kept of the head distribution at the student positions
+    ``cells`` ``[S]`` (host-side; read one chunk's spans at a time, when first asked for): logits ``[len(cells), Vt]``
+    when ``head_temperature`` is None (``full``: any temperature), else log-probabilities at ``head_temperature``
+    rebuilt from a sparse form (:func:`kept_distribution`); the continuation's log-probabilities
+    ``by_temperature[T]`` ``[S]`` at each temperature it kept (the loss's and 1), and ``t_nll`` ``[S]``."""
 
     read: Callable[[torch.Tensor], torch.Tensor]
     cells: torch.Tensor
     by_temperature: dict[float, torch.Tensor]
     t_nll: torch.Tensor
-    _logits: list[torch.Tensor] = field(default_factory=list, repr=False)
+    head_temperature: float | None = None
+    _rows: list[torch.Tensor] = field(default_factory=list, repr=False)
 
-    def head_logits(self) -> torch.Tensor:
-        if not self._logits:
-            self._logits.append(self.read(self.cells))
-        return self._logits[0]
+    def head_log_probs(self, temperature: float) -> torch.Tensor:
+        if not self._rows:
+            self._rows.append(self.read(self.cells))
+        if self.head_temperature is None:
+            return log_probs(self._rows[0], temperature)
+        if temperature != self.head_temperature:
+            raise ValueError(f"the teacher cache kept each span's head distribution at T={self.head_temperature:g}, "
+                             f"not at T={temperature:g}")
+        return self._rows[0]
 
     def cont_logp(self, temperature: float) -> torch.Tensor:
         if temperature not in self.by_temperature:
@@ -119,7 +131,25 @@ class KeptSpans:
     def select(self, first: int, count: int) -> "KeptSpans":
         spans = slice(first, first + count)
         return KeptSpans(self.read, self.cells[spans], {t: v[spans] for t, v in self.by_temperature.items()},
-                         self.t_nll[spans])
+                         self.t_nll[spans], self.head_temperature)
+
+
+def kept_distribution(ids: torch.Tensor, vocab: int, logp: torch.Tensor | None = None,
+                      tail_logp: torch.Tensor | None = None) -> torch.Tensor:
+    """``[S, vocab]`` log-probabilities rebuilt from a sparse cache's ``ids`` ``[S, k]``: ``topk`` (``logp`` ``[S, k]``
+    their log-probabilities, ``tail_logp`` ``[S]`` the rest's mass, spread evenly over the tokens not listed: exact
+    when the tail is empty or one token), or ``sample`` (``ids`` k draws, each weighing 1/k: the empirical
+    distribution, a plug-in estimate). fp32, renormalised (what storage rounded); −inf where p = 0."""
+    ids = ids.long()
+    if logp is None:
+        counts = torch.zeros(ids.shape[0], vocab, device=ids.device).scatter_add_(
+            -1, ids, torch.full(ids.shape, 1.0 / ids.shape[-1], device=ids.device))
+        return counts.log()
+    rest = vocab - ids.shape[-1]
+    spread = upcast(tail_logp).unsqueeze(-1) - math.log(max(rest, 1))
+    out = spread.expand(ids.shape[0], vocab).clone() if rest else torch.full((ids.shape[0], vocab), -math.inf,
+                                                                            device=ids.device)
+    return F.log_softmax(out.scatter(-1, ids, upcast(logp)), dim=-1)
 
 
 @dataclass
@@ -143,8 +173,10 @@ class Aligned:
     kl_divergence: str = "forward_kl"
     """The divergence of the logged distance (the loss's own, at T = 1)."""
     kl_beta: float = 0.5
-    kl_temperature = 1.0
-    exact = True
+    kl_temperature: float = 1.0
+    """The temperature of the logged distance: 1, or a sparse cache's (it kept the head distribution at one)."""
+    exact: bool = True
+    """False for a sparse cache's targets (top k and a tail spread evenly, or draws)."""
     measured = True
 
     def __len__(self) -> int:
@@ -198,7 +230,7 @@ class Aligned:
         cont_q = log_q[self.cont].gather(-1, self.cont_token.long().unsqueeze(-1)).squeeze(-1)
         c_s = log_q.new_zeros(spans).index_add(0, self.cont_span, cont_q)
         c_t = self.teacher.cont_logp(temperature)
-        return merge(log_q[self.head], c_s), merge(log_probs(self.teacher.head_logits(), temperature), c_t)
+        return merge(log_q[self.head], c_s), merge(self.teacher.head_log_probs(temperature), c_t)
 
     def _score(self, log_q: torch.Tensor, divergence: str, beta: float, temperature: float) -> torch.Tensor:
         q, p = self._merged(log_q, temperature)
@@ -215,8 +247,8 @@ class Aligned:
         return self._score(log_q, divergence, beta, temperature)
 
     def kl(self, log_q: torch.Tensor) -> torch.Tensor:
-        """``[n]`` the loss's own distance at T = 1 (there is no KL between two vocabularies)."""
-        return self._score(log_q, self.kl_divergence, self.kl_beta, 1.0)
+        """``[n]`` the loss's own distance at :attr:`kl_temperature` (there is no KL between two vocabularies)."""
+        return self._score(log_q, self.kl_divergence, self.kl_beta, self.kl_temperature)
 
     def teacher_ce(self, labels: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
         """``[n]`` the teacher's −log p of each span's own tokens at its head (0 elsewhere): summed over the student's
@@ -225,4 +257,4 @@ class Aligned:
         return t_nll.new_zeros(self.n).index_put((self.head,), t_nll)
 
 
-__all__ = ["Aligned", "KeptSpans", "LiveSpans", "TeacherSpans"]
+__all__ = ["Aligned", "KeptSpans", "LiveSpans", "TeacherSpans", "kept_distribution"]

@@ -123,10 +123,6 @@ def check_cross_tokenizer(cfg: RunConfig, several: bool = False) -> None:
     from kdsweep.teacher.align import byte_level
 
     fix = "or pick a teacher with the student's tokenizer"
-    if cfg.teacher.logits == "cache" and cfg.teacher.cache.method != "full":
-        raise ConfigError(f"teacher.cache.method={cfg.teacher.cache.method} cannot keep what a teacher with another "
-                          "tokenizer gives (GOLD and ULD need its whole distribution over each aligned span); use "
-                          f"teacher.cache.method=full, or teacher.logits=live, {fix}")
     if cfg.rollout.lmbda > 0 or cfg.rollout.seq_kd:
         raise ConfigError("rollout.lmbda and rollout.seq_kd: generation with a teacher of another tokenizer is not "
                           f"supported yet; use lmbda=0 rollout.seq_kd=false, {fix}")
@@ -183,6 +179,19 @@ def preflight_reads(cfg: RunConfig) -> None:
         sample = render(row, spec, student, where=f"{key}: {ds.path} row {i + 1}")  # as the job renders it
         if view is None:
             check_unchanged(reader.read([*sample.input_ids, sample.labels[-1]]), where)
+
+
+def choose_impl(cfg: RunConfig) -> str:
+    """``loss.impl=auto``'s choice: fused (exact, and neither model's ``[N, V]`` logits exist) unless the student or
+    a live teacher transforms its logits after its output layer (:data:`LOGIT_TRANSFORMS`), then chunked; any other
+    ``loss.impl`` as given."""
+    if cfg.loss.impl != "auto":
+        return cfg.loss.impl
+    for _, view in cfg.teacher_views():
+        models = [("model", view.model)] + ([("teacher", view.teacher)] if view.teacher.logits == "live" else [])
+        if any(logit_transform(_source(section, source)[1]) for section, source in models):
+            return "chunked"
+    return "fused"
 
 
 def preflight_models(cfg: RunConfig, several: bool = False) -> None:

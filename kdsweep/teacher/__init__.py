@@ -16,8 +16,9 @@ live, another tokenizer       ``CrossTokenizerTeacher`` (cross): the teacher    
                                                                                    chunk with loss.impl=fused)
 cache, same tokenizer         ``CachedTeacher`` (cached), built once by            ``Logits`` (full), ``Samples``,
                               ``PlainTargets`` (build)                             ``TopK``
-cache, another tokenizer      ``CachedCrossTeacher`` (cross_cache), built by       ``Aligned`` (``KeptSpans``: head
-                              ``SpanTargets``                                      logits read by chunk)
+cache, another tokenizer      ``CachedCrossTeacher`` (cross_cache), built by       ``Aligned`` (``KeptSpans``: full
+                              ``SpanTargets``                                      head logits, or topk / sample
+                                                                                   rebuilt, one chunk at a time)
 several teachers (any above)  ``MixedTeacher`` (mixture) of each one's source      ``Mixture`` of each one's
 kd_ratio=0, training steps    ``TeacherFree`` (absent): no teacher at all          ``NoTargets``
 ============================  ===================================================  ===================================

@@ -71,15 +71,22 @@ def row_targets(logits: torch.Tensor, labels: torch.Tensor, spec: Spec, ignore_i
     valid = labels != ignore_index
     label_logp = F.log_softmax(z, dim=-1).gather(-1, torch.where(valid, labels, 0).unsqueeze(-1))
     out = {"label_logp": torch.where(valid.unsqueeze(-1), label_logp, 0.0)}
-    logp = F.log_softmax(z / spec.temperature, dim=-1)
+    return {**sparse_fields(F.log_softmax(z / spec.temperature, dim=-1), spec, generator), **out}
+
+
+def sparse_fields(logp: torch.Tensor, spec: Spec, generator: torch.Generator | None) -> dict[str, torch.Tensor]:
+    """What a sparse cache keeps of log-probabilities ``[L, V]`` at T_c: ``sample``'s k draws (and the entropy, for
+    a teacher of the student's tokenizer), ``topk``'s k most likely tokens and the tail's log-mass."""
     if spec.method == "sample":
         p = logp.exp()
-        ids = torch.multinomial(p, spec.k, replacement=True, generator=generator)
-        entropy = -torch.where(p > 0, p * logp, 0.0).sum(-1, keepdim=True)
-        return {"ids": ids.to(DTYPES[spec.id_dtype]), "entropy": entropy, **out}
+        ids = torch.multinomial(p, spec.k, replacement=True, generator=generator).to(DTYPES[spec.id_dtype])
+        if spec.aligned:
+            return {"ids": ids}
+        return {"ids": ids, "entropy": -torch.where(p > 0, p * logp, 0.0).sum(-1, keepdim=True)}
     values, ids = logp.topk(spec.k, dim=-1)
     tail = logp.scatter(-1, ids, float("-inf")).logsumexp(-1, keepdim=True)
-    return {"ids": ids.to(DTYPES[spec.id_dtype]), "logp": values.to(torch.float16), "tail_logp": tail, **out}
+    return {"ids": ids.to(DTYPES[spec.id_dtype]), "logp": values.to(DTYPES[spec.fields()["logp"][0]]),
+            "tail_logp": tail}
 
 
 def _write(f: BinaryIO, t: torch.Tensor) -> None:

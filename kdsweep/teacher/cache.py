@@ -18,12 +18,16 @@ sample     ``ids`` [k] draws from softmax(logits / T_c); ``entropy`` [1] fp32 at
 topk       ``ids`` [k], ``logp`` [k] fp16 log-probabilities at T_c; ``tail_logp`` [1] fp32; ``label_logp`` [1]
 =========  ===============================================================================================
 
-A teacher with another tokenizer (``aligned``, method full only) is kept on the student's positions too: at the
-head of each aligned span (:mod:`kdsweep.losses.aligned`) ``logits`` [V_teacher] (exact) predicting its first
-teacher token, ``span`` [1] int32 (the span's student positions after its head; −1 at a position that heads no
-span), ``cont_logp`` [2] fp32 the teacher's log-probability of the span's later tokens at the loss's temperature
-and at 1, ``nll`` [1] fp32 its −log p of the span's tokens; and at each row's first position ``row_counts`` [2]
-int32, the row's spans that could take no KD term and its tokens in no span (run.json's alignment counts).
+A teacher with another tokenizer (``aligned``) is kept on the student's positions too: at the head of each aligned
+span (:mod:`kdsweep.losses.aligned`) the distribution of its first teacher token, as ``full``'s ``logits``
+[V_teacher] (exact), ``sample``'s ``ids`` [k] draws at the loss's temperature, or ``topk``'s ``ids`` [k], ``logp``
+[k] fp32 and ``tail_logp`` [1] (the tail is spread evenly over the tokens not listed); ``span`` [1] int32 (the
+span's student positions after its head; −1 at a position that heads no span), ``cont_logp`` [2] fp32 the
+teacher's log-probability of the span's later tokens at the loss's temperature and at 1, ``nll`` [1] fp32 its −log p
+of the span's tokens; and at each row's first position ``row_counts`` [2] int32, the row's spans that could take no
+KD term and its tokens in no span (run.json's alignment counts). A sparse one weighs what the same-tokenizer
+sparse cache's ids and log-probabilities do, plus these 24 bytes (topk's log-probabilities in fp32, so that k = V − 1
+is exact; no ``entropy`` nor ``label_logp``: the NLL is the teacher's CE here).
 
 The key hashes the teacher's weights and config (their content, memoized by size and mtime, so moving the
 directory keeps the key and editing a weight changes it), the tokenization cache's key, the rows it holds (all, or
@@ -83,8 +87,13 @@ class Spec:
     def fields(self) -> dict[str, tuple[str, int]]:
         """field → (dtype, values per position)."""
         if self.aligned:
-            return {"logits": (self.dtype, self.vocab), "span": ("int32", 1), "cont_logp": ("float32", 2),
-                    "nll": ("float32", 1), "row_counts": ("int32", 2)}
+            spans = {"span": ("int32", 1), "cont_logp": ("float32", 2), "nll": ("float32", 1),
+                     "row_counts": ("int32", 2)}
+            if self.method == "full":
+                return {"logits": (self.dtype, self.vocab), **spans}
+            if self.method == "sample":
+                return {"ids": (self.id_dtype, self.k), **spans}
+            return {"ids": (self.id_dtype, self.k), "logp": ("float32", self.k), "tail_logp": ("float32", 1), **spans}
         if self.method == "full":
             return {"logits": (self.dtype, self.vocab)}
         if self.method == "sample":
@@ -97,8 +106,11 @@ class Spec:
 
     def describe(self) -> str:
         if self.aligned:
-            return (f"full logits of a teacher with another tokenizer on the student's aligned spans ({self.vocab} per "
-                    f"position, {self.dtype}; the continuation at T={self.temperature:g})")
+            head = (f"full logits ({self.vocab} per position, {self.dtype})" if self.method == "full" else
+                    f"{self.method} (k={self.k} {'draws' if self.method == 'sample' else 'top tokens + tail'} at "
+                    f"T={self.temperature:g})")
+            return (f"{head} of a teacher with another tokenizer on the student's aligned spans (the continuation at "
+                    f"T={self.temperature:g}; {self.bytes_per_position()} bytes per position)")
         if self.method == "full":
             return f"full logits ({self.vocab} per position, {self.dtype})"
         what = "draws" if self.method == "sample" else "top tokens + tail"

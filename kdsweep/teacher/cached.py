@@ -21,7 +21,7 @@ from kdsweep.teacher.source import TeacherSource
 _SIGNED = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
+def signed_bits(t: torch.Tensor) -> torch.Tensor:
     """``t``, or its bits as the signed integer of its width (torch has no index_put for uint16 token ids)."""
     return t.view(_SIGNED[t.dtype]) if t.dtype in _SIGNED else t
 
@@ -57,9 +57,9 @@ class CachedSplit:
         starts at or before it (a rank writes whole rows, so a row's positions are all in its first one's part)."""
         return self.filled[torch.searchsorted(self.filled_starts, positions, right=True) - 1]
 
-    def _cells(self, row_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def cells(self, row_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per cell of a ``[B, length]`` batch of these rows (flattened): whether it is a row's position (not
-        padding), its position in the cache's stream, and the part holding it."""
+        padding), its position in the cache's stream, and the part holding it (what :meth:`gather_at` reads)."""
         slots = self.slot[row_ids]
         if bool((slots < 0).any()):
             raise ValueError(f"row {int(row_ids[slots < 0][0])} of the {self.split} split is not in the teacher cache "
@@ -77,19 +77,20 @@ class CachedSplit:
         buf = torch.zeros(len(position), width, dtype=DTYPES[dtype], pin_memory=torch.cuda.is_available())
         for i in self.filled.tolist():
             at = (inside & (part == i)).nonzero().squeeze(1)
-            _bits(buf)[at] = _bits(self.maps[name][i])[position[at] - self.parts[i]["start"]]
+            signed_bits(buf)[at] = signed_bits(self.maps[name][i])[position[at] - self.parts[i]["start"]]
         return buf
 
     def gather(self, row_ids: torch.Tensor, length: int, names: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
         """field → ``[B, length, width]`` (every field, or ``names``): each row's positions, zero past its end
         (padding, never a label); no loop over rows."""
-        cells = self._cells(row_ids, length)
-        return {name: self._read(name, *cells).view(len(row_ids), length, -1)
+        where = self.cells(row_ids, length)
+        return {name: self._read(name, *where).view(len(row_ids), length, -1)
                 for name in (names or tuple(self.spec.fields()))}
 
-    def gather_at(self, row_ids: torch.Tensor, length: int, name: str, at: torch.Tensor) -> torch.Tensor:
-        """``[len(at), width]``: field ``name`` at the flattened cells ``at`` of the ``[B, length]`` batch only."""
-        return self._read(name, *(c[at] for c in self._cells(row_ids, length)))
+    def gather_at(self, cells: tuple[torch.Tensor, torch.Tensor, torch.Tensor], name: str,
+                  at: torch.Tensor) -> torch.Tensor:
+        """``[len(at), width]``: field ``name`` at the flattened cells ``at`` only of a batch (its :meth:`cells`)."""
+        return self._read(name, *(c[at] for c in cells))
 
 
 class ReadAhead:

@@ -2,11 +2,15 @@
 
 A live cross-tokenizer teacher (:class:`~kdsweep.teacher.cross.CrossTokenizerTeacher`) gives each micro-batch an
 :class:`~kdsweep.losses.aligned.Aligned`: per aligned span, the teacher's logits predicting its first teacher token
-and the log-probability of its later ones. The cache keeps exactly that at each span's head position (the fields of
-an ``aligned`` :class:`~kdsweep.teacher.cache.Spec`), so a trial reads it back without the teacher, its tokenizer's
+and the log-probability of its later ones. The cache keeps that at each span's head position (the fields of an
+``aligned`` :class:`~kdsweep.teacher.cache.Spec`), so a trial reads it back without the teacher, its tokenizer's
 reading of the rows or the alignment: the student's side of a span (its continuation positions and their tokens)
 is the head, the span's length and the row's labels. The continuation is kept at the loss's temperature and at 1
-(the logged distance's), where the live teacher can give any; the first token's logits are exact at any.
+(the logged distance's), where the live teacher can give any. The first token's distribution: ``full``'s logits
+(exact at any temperature), or at the loss's temperature ``topk``'s k most likely tokens and the tail's mass
+(spread evenly over the others: exact when the tail is empty or one token; otherwise GOLD's and ULD's terms of a
+distribution with the same top k) or ``sample``'s k draws (the empirical distribution: a plug-in estimate, biased
+for GOLD's and ULD's sorted part) — about 100 bytes per position at a 152k vocabulary instead of 600 kB.
 """
 
 from __future__ import annotations
@@ -17,29 +21,41 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from kdsweep.data.batch import Batch
-from kdsweep.losses.aligned import Aligned, KeptSpans
-from kdsweep.teacher.build import DTYPES, RowFields
+from kdsweep.losses.aligned import Aligned, KeptSpans, kept_distribution
+from kdsweep.data.sampling import stream_seed
+from kdsweep.teacher.build import DTYPES, RowFields, sparse_fields
 from kdsweep.teacher.cache import Spec
-from kdsweep.teacher.cached import CachedSplit, ReadAhead
+from kdsweep.teacher.cached import CachedSplit, ReadAhead, signed_bits
 from kdsweep.teacher.cross import CrossTargets, CrossTokenizerTeacher
 from kdsweep.teacher.source import TeacherSource
 
 
-def span_fields(built: CrossTargets, unaligned: list[int], rows: int, length: int, spec: Spec) -> dict[str, torch.Tensor]:
-    """A batch's targets as the cache's fields, field → ``[rows, length, width]`` (on the CPU)."""
+def span_fields(built: CrossTargets, unaligned: list[int], rows: int, length: int, spec: Spec,
+                seeds: Sequence[int] = ()) -> dict[str, torch.Tensor]:
+    """A batch's targets as the cache's fields, field → ``[rows, length, width]`` (on the CPU); ``seeds``: per row, the
+    seed of its draws (``sample``: a row's draws do not depend on its batch)."""
     t, n = built.targets, rows * length
     head = t.head.cpu()
-    out = {"logits": torch.zeros(n, spec.vocab, dtype=DTYPES[spec.dtype]),
-           "span": torch.full((n, 1), -1, dtype=torch.int32),
-           "cont_logp": torch.zeros(n, 2), "nll": torch.zeros(n, 1),
-           "row_counts": torch.zeros(rows, length, 2, dtype=torch.int32)}
-    out["logits"][head] = t.teacher.head_logits().cpu().to(out["logits"].dtype)
+    out = {name: torch.zeros(n, width, dtype=DTYPES[dtype]) for name, (dtype, width) in spec.fields().items()}
+    if spec.method == "full":
+        out["logits"][head] = t.teacher.head_logits().cpu().to(out["logits"].dtype)
+    else:  # each row's spans (heads ascend, row by row), its draws seeded by the row
+        logp = t.teacher.head_log_probs(spec.temperature).float()
+        bounds = torch.searchsorted(head, torch.arange(rows + 1) * length).tolist()
+        generator = torch.Generator(device=logp.device) if spec.method == "sample" else None
+        for b in range(rows):
+            if generator is not None:
+                generator.manual_seed(seeds[b])
+            at = slice(bounds[b], bounds[b + 1])
+            for name, values in sparse_fields(logp[at], spec, generator).items():
+                signed_bits(out[name])[head[at]] = signed_bits(values.cpu())
+    out["span"][:] = -1
     out["span"][head, 0] = torch.tensor([last - first for first, last in t.extent], dtype=torch.int32)
     for column, temperature in enumerate((spec.temperature, 1.0)):
         out["cont_logp"][head, column] = t.teacher.cont_logp(temperature).float().cpu()
     out["nll"][head, 0] = t.teacher.nll().float().cpu()
-    out["row_counts"][:, 0, 0] = torch.tensor(built.row_dropped, dtype=torch.int32)
-    out["row_counts"][:, 0, 1] = torch.tensor(unaligned, dtype=torch.int32)
+    counts = out["row_counts"].view(rows, length, 2)[:, 0]  # at each row's first position
+    counts[:, 0], counts[:, 1] = torch.tensor(built.row_dropped), torch.tensor(unaligned)
     return {k: v.reshape(rows, length, -1) for k, v in out.items()}
 
 
@@ -51,8 +67,9 @@ class SpanTargets:
 
     def __call__(self, batch: Batch, split: str) -> tuple[RowFields, int]:
         before = self.source.tokens_computed
+        seeds = [stream_seed(self.spec.seed, split, int(r)) for r in batch.rows.tolist()]
         with self.source.built(batch, split) as (built, unaligned):
-            fields = span_fields(built, unaligned, *batch.input_ids.shape, self.spec)
+            fields = span_fields(built, unaligned, *batch.input_ids.shape, self.spec, seeds)
         return (lambda r, index, length: {k: v[r, :length] for k, v in fields.items()}), \
             self.source.tokens_computed - before
 
@@ -60,8 +77,8 @@ class SpanTargets:
 class CachedCrossTeacher(TeacherSource):
     """A cross-tokenizer teacher's targets read from its cache (a :class:`~kdsweep.teacher.TeacherSource`);
     ``scoring``: how the spans are scored (:class:`Aligned`'s settings: ``student_vocab``, ``loss``, ``vocab_map``,
-    the GOLD weights and the logged divergence). The fields but the head logits of the batches it is told come next
-    are read ahead (:class:`~kdsweep.teacher.cached.ReadAhead`); the head logits, one chunk's at a time."""
+    the GOLD weights and the logged divergence). The fields of the batches it is told come next are read ahead
+    (:class:`~kdsweep.teacher.cached.ReadAhead`), but ``full``'s head logits: those one chunk's at a time."""
 
     def __init__(self, split: CachedSplit, device: torch.device, scoring: dict[str, Any]) -> None:
         self.split, self.device, self.scoring = split, device, scoring
@@ -78,22 +95,41 @@ class CachedCrossTeacher(TeacherSource):
         if batch.rows is None:
             raise ValueError("a cached teacher needs batches made by Rows.batch (they carry their row indices)")
         self.tokens_read += batch.input_ids.numel()
-        rows, length = batch.rows, batch.input_ids.shape[1]
-        targets, dropped, unaligned = from_fields(
-            self.ahead.get(batch), batch.labels, self.split.spec, self.scoring, self.device,
-            lambda cells: self.split.gather_at(rows, length, "logits", cells).to(self.device, non_blocking=True))
+        rows, length, spec = batch.rows, batch.input_ids.shape[1], self.split.spec
+        raw = self.ahead.get(batch)
+        if spec.method == "full":
+            where = self.split.cells(rows, length)  # once per batch; each chunk's heads read from it
+            head_at = lambda at: self.split.gather_at(where, "logits", at).to(self.device, non_blocking=True)
+        else:
+            head_at = sparse_head(raw, spec, self.device)
+        targets, dropped, unaligned = from_fields(raw, batch.labels, spec, self.scoring, self.device, head_at)
         self.kd_spans += len(targets.extent)
         self.kd_spans_dropped += dropped
         self.tokens_unaligned += unaligned
         yield targets
 
 
+def sparse_head(raw: dict[str, torch.Tensor], spec: Spec, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A sparse cache's head distributions at the batch's flattened cells (:func:`kept_distribution`), ``[cells, Vt]``
+    log-probabilities on ``device``, rebuilt one chunk's spans at a time."""
+    flat = {k: raw[k].reshape(-1, raw[k].shape[-1]) for k in ("ids", "logp", "tail_logp") if k in raw}
+
+    def at(cells: torch.Tensor) -> torch.Tensor:
+        kept = {k: v[cells].to(torch.int64 if k == "ids" else v.dtype).to(device, non_blocking=True)
+                for k, v in flat.items()}
+        tail = kept.get("tail_logp")
+        return kept_distribution(kept["ids"], spec.vocab, kept.get("logp"), None if tail is None else tail[:, 0])
+
+    return at
+
+
 def from_fields(raw: dict[str, torch.Tensor], labels: torch.Tensor, spec: Spec, scoring: dict[str, Any],
-                device: torch.device, logits_at: Callable[[torch.Tensor], torch.Tensor]) -> tuple[Aligned, int, int]:
+                device: torch.device, head_at: Callable[[torch.Tensor], torch.Tensor]) -> tuple[Aligned, int, int]:
     """The targets of a batch whose ``labels`` are ``[B, T]`` from its cached fields (field → ``[B, T, width]``,
-    :func:`span_fields`, but the logits), and the spans its rows could not train and their tokens in no span.
-    ``logits_at(cells)``: the kept logits ``[len(cells), Vt]`` at the batch's flattened cells, on ``device``: read
-    one chunk's span heads at a time, so no ``[B·T, Vt]`` tensor is read."""
+    :func:`span_fields`, but ``full``'s logits), and the spans its rows could not train and their tokens in no span.
+    ``head_at(cells)``: what the cache kept of the head distributions ``[len(cells), Vt]`` at the batch's flattened
+    cells, on ``device`` (``full``: logits; sparse: log-probabilities at its temperature): read one chunk's span
+    heads at a time, so no ``[B·T, Vt]`` tensor is made."""
     span = raw["span"].reshape(-1).long()
     head = (span >= 0).nonzero().squeeze(-1)
     width = span[head]
@@ -102,14 +138,17 @@ def from_fields(raw: dict[str, torch.Tensor], labels: torch.Tensor, spec: Spec, 
     cont_logp = raw["cont_logp"].reshape(-1, 2)[head]
     move = lambda t: t.to(device, non_blocking=True)
     kept = {spec.temperature: move(cont_logp[:, 0]), 1.0: move(cont_logp[:, 1])}
+    full = spec.method == "full"
     targets = Aligned(
         n=span.numel(), head=move(head), cont=move(cont), cont_span=move(owner),
         cont_token=labels.reshape(-1)[move(cont)],
-        teacher=KeptSpans(logits_at, head, kept, move(raw["nll"].reshape(-1)[head])),
-        extent=list(zip(head.tolist(), (head + width).tolist())), **scoring,
+        teacher=KeptSpans(head_at, head, kept, move(raw["nll"].reshape(-1)[head]),
+                          head_temperature=None if full else spec.temperature),
+        extent=list(zip(head.tolist(), (head + width).tolist())),
+        kl_temperature=1.0 if full else spec.temperature, exact=full, **scoring,
     )
     dropped, unaligned = raw["row_counts"].reshape(-1, 2).sum(0).tolist()
     return targets, dropped, unaligned
 
 
-__all__ = ["CachedCrossTeacher", "SpanTargets", "from_fields", "span_fields"]
+__all__ = ["CachedCrossTeacher", "SpanTargets", "from_fields", "sparse_head", "span_fields"]

@@ -201,7 +201,12 @@ def cached_teacher(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: R
         spec = Spec.of(cfg, pair.teacher_vocab, aligned=True)
         produce = lambda: SpanTargets(pair.live(load()), spec)
         source = lambda split: CachedCrossTeacher(split, device, pair.scoring)
-        described = pair.record
+        described = {**pair.record, "kl": pair.record["kl"].replace("at T=1", f"at T={spec.temperature:g}")} \
+            if spec.method != "full" else pair.record
+        if spec.method == "sample":
+            log.warning("teacher.cache.method=sample with a teacher of another tokenizer: GOLD and ULD are computed "
+                        "from the empirical distribution of %d draws, a biased plug-in estimate; "
+                        "teacher.cache.method=topk keeps the top tokens' probabilities", spec.k)
     root = cache_root(cfg)
     digest = from_rank0(dist, "hash the teacher's files", lambda: teacher_hash(teacher_dir, root / "hashes"))
     used = torch.arange(len(data.train))

@@ -51,8 +51,6 @@ CASES = {
     "not_hf_dir": (["model.path={root}/not_a_model"], "not a Hugging Face model directory"),
     "tokenizers": (["model.path={root}/student_a", "teacher.path={root}/teacher_b", "data.seq_len=16"],
                    "model.path={root}/student_a: its tokenizer writes tokens in a convention kdsweep cannot read back"),
-    "cross_tokenizer_cache": (["teacher=tiny_other", "teacher.logits=cache", "teacher.cache.method=topk"],
-                              "teacher.cache.method=topk cannot keep what a teacher with another tokenizer gives"),
     "cross_tokenizer_lossy": (["teacher.path={root}/lossy_teacher"],
                               "teacher.path={root}/lossy_teacher: its tokenizer does not give the data's text back as it "
                               "is (it reads 'In the beginning God created"),

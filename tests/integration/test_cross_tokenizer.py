@@ -44,7 +44,7 @@ def cross_runs(tmp_path_factory, other_teacher):
     root = tmp_path_factory.mktemp("cross")
     runs = {loss: root / loss for loss in ("gold", "uld")}
     with ThreadPoolExecutor(2) as pool:  # one thread each: side by side
-        done = [pool.submit(kdsweep, "teacher=tiny_other", f"loss.cross_tokenizer={loss}", *SHORT,
+        done = [pool.submit(kdsweep, "teacher=tiny_other", f"loss.cross_tokenizer={loss}", "loss.impl=chunked", *SHORT,
                             f"hydra.run.dir={run_dir}", cwd=root) for loss, run_dir in runs.items()]
         for job in done:
             job.result()
@@ -102,7 +102,7 @@ def test_one_tokenizer_forced_through_the_cross_tokenizer_path_gives_the_same_nu
 
 def test_two_ranks_equal_one_rank_across_tokenizers(cross_runs, tmp_path):
     two = tmp_path / "two"
-    kdsweep("teacher=tiny_other", "loss.cross_tokenizer=gold", *SHORT, "dist.nproc_per_node=2", f"hydra.run.dir={two}",
+    kdsweep("teacher=tiny_other", "loss.cross_tokenizer=gold", "loss.impl=chunked", *SHORT, "dist.nproc_per_node=2", f"hydra.run.dir={two}",
             cwd=tmp_path)
     one = cross_runs["gold"]
     assert read_run(two)["world_size"] == 2
@@ -208,6 +208,44 @@ def test_the_cache_of_a_teacher_with_another_tokenizer_trains_as_the_live_teache
 
 
 @pytest.fixture(scope="module")
+def sparse_caches(tmp_path_factory, other_teacher):
+    """The second teacher cached sparsely: topk with every token but one (the whole distribution), and sample."""
+    root = tmp_path_factory.mktemp("sparse")
+    kinds = {"topk": ["teacher.cache.method=topk", "teacher.cache.k=1535"], "sample": ["teacher.cache.method=sample"]}
+    with ThreadPoolExecutor(2) as pool:
+        done = {name: pool.submit(kdsweep, "teacher=tiny_other", "loss.cross_tokenizer=gold", "teacher.logits=cache",
+                                  *extra, f"teacher.cache.dir={root / 'tc'}", *SHORT, f"hydra.run.dir={root / name}",
+                                  cwd=root) for name, extra in kinds.items()}
+        logs = {name: job.result() for name, job in done.items()}
+    return root, logs
+
+
+def test_a_sparse_cache_of_a_teacher_with_another_tokenizer_weighs_a_few_fields_and_topk_is_exact(sparse_caches,
+                                                                                                cross_runs):
+    """Only each span head's sparse distribution and the span fields are kept; topk with k = V − 1 keeps the whole
+    distribution, so it trains as the live teacher; sample says it is a plug-in estimate."""
+    root, logs = sparse_caches
+    live = cross_runs["gold"]
+    ids = 2  # a 1,536-token teacher's ids fit in uint16
+    for name, per_position in (("topk", 1535 * (ids + 4) + 4 + 24), ("sample", 12 * ids + 24)):
+        record = read_run(root / name)
+        t = record["teacher_targets"]
+        assert record["status"] == "completed" and t["source"] == "cache" and t["method"] == name
+        assert t["bytes_per_position"] == per_position and "cross_tokenizer" in t
+        meta = json.loads((Path(t["dir"]) / "meta.json").read_text())
+        files = sum(f.stat().st_size for f in Path(t["dir"]).glob("*.*.0"))
+        assert files == per_position * sum(s["positions"] for s in meta["splits"].values())
+        assert record["alignment"] == read_run(live)["alignment"]
+    assert "biased plug-in estimate" in logs["sample"].stderr and "plug-in" not in logs["topk"].stderr
+    assert read_run(root / "topk")["objective"] == pytest.approx(read_run(live)["objective"], abs=1e-5)
+    for x, y in zip(read_metrics(live), read_metrics(root / "topk"), strict=True):
+        for key in ("loss", "ce", "kd", "kl", "student_ce", "teacher_ce", "grad_norm"):
+            if key in x:
+                assert y[key] == pytest.approx(x[key], abs=1e-5, rel=1e-5), (x["kind"], x["step"], key)
+    assert read_run(root / "sample")["objective"] != read_run(live)["objective"]
+
+
+@pytest.fixture(scope="module")
 def mixture(tmp_path_factory, teacher_sweep):
     """Both teachers at once (weights 1 and 3), from the teacher sweep's caches: each teacher's targets cached on
     their own, found built."""
@@ -217,7 +255,7 @@ def mixture(tmp_path_factory, teacher_sweep):
         done = [pool.submit(kdsweep, "teachers=[{zoo:tiny-teacher,weight:1},{zoo:tiny-teacher-other,weight:3}]",
                             "teacher.logits=cache", "teacher.cache.method=full", f"teacher.cache.dir={caches}", *SHORT,
                             *extra, f"hydra.run.dir={root / name}", cwd=root)
-                for name, extra in (("both", []), ("fused", ["loss.impl=fused"]))]
+                for name, extra in (("both", ["loss.impl=chunked"]), ("fused", ["loss.impl=fused"]))]
         for job in done:
             job.result()
     return root / "both"
@@ -259,7 +297,7 @@ def test_kill_9_then_rerun_across_tokenizers_gives_the_uninterrupted_run(cross_r
     from test_resume import _wait_for_step
 
     args = [a for a in SHORT if not a.startswith("checkpoint.save_every")] + ["checkpoint.save_every=2"]
-    args += ["teacher=tiny_other", "loss.cross_tokenizer=gold"]
+    args += ["teacher=tiny_other", "loss.cross_tokenizer=gold", "loss.impl=chunked"]
     run_dir = tmp_path / "killed"
     proc = subprocess.Popen([sys.executable, "-m", "kdsweep", *args, f"hydra.run.dir={run_dir}"], cwd=tmp_path,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

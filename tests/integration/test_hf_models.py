@@ -217,6 +217,18 @@ def test_cli_all_linear_string_and_a_zoo_teacher_beside_a_student_directory(tmp_
     assert read_run(run_dir)["status"] == "completed"
 
 
+def test_the_default_loss_is_fused_unless_a_model_transforms_its_logits(models, tmp_path):
+    """loss.impl=auto, chosen before launch and recorded: fused for models whose logits are their output layer's,
+    chunked for Gemma 2 (it soft-caps its logits after the output layer, which only the logits paths can do)."""
+    for student, teacher, want in (("student", "teacher", "fused"), ("gemma2", "gemma2", "chunked")):
+        run_dir = tmp_path / student
+        kdsweep(f"model.path={models}/{student}", f"teacher.path={models}/{teacher}", "train=smoke", "train.max_steps=2",
+                "data.seq_len=32", "train.threads=1", "checkpoint.export_merged=false", *QUIET,
+                f"hydra.run.dir={run_dir}", cwd=tmp_path)
+        record = read_run(run_dir)
+        assert record["status"] == "completed" and record["config"]["loss"]["impl"] == want, student
+
+
 @pytest.mark.parametrize("args,expected", [
     (["model.path={root}/gemma2", "teacher.path={root}/gemma2", "loss.impl=fused"],
      "loss.impl=fused: the model (Gemma2ForCausalLM) applies final_logit_softcapping=30.0 to its logits"),

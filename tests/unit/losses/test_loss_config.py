@@ -16,7 +16,7 @@ from helpers import one_thread  # noqa: F401  (autouse: tiny tensors run fastest
         (dict(temperature=0.0), "loss.temperature=0.0", "pass loss.temperature=1.0"),
         (dict(temperature=-2.0), "loss.temperature=-2.0", "pass loss.temperature=1.0"),
         (dict(divergence="js"), "loss.divergence='js'", "use one of forward_kl, reverse_kl, jsd, jsd_normalized, tvd, symmetric"),
-        (dict(impl="sparse"), "loss.impl='sparse' is unknown", "use one of dense, chunked, fused"),
+        (dict(impl="sparse"), "loss.impl='sparse' is unknown", "use one of auto, dense, chunked, fused"),
     ],
 )
 def test_bad_loss_settings_name_the_field_and_the_fix_in_one_line(kwargs, field, fix):
@@ -33,7 +33,7 @@ def test_every_divergence_and_beta_end_is_accepted(divergence, beta):
 
 
 def test_impl_chooses_the_chunks():
-    assert LossConfig().impl == "chunked" and LossConfig().chunks == 8
+    assert LossConfig().impl == "auto" and LossConfig().chunks == 8
     assert LossConfig(impl="chunked", num_chunks=5).chunks == 5
     assert LossConfig(impl="dense", num_chunks=5).chunks == 1
 

@@ -186,6 +186,61 @@ def test_what_the_cache_keeps_of_a_batch_gives_the_live_loss_and_gradients(packe
                      temperature=3.0)
 
 
+def _sums_and_grad(targets, batch, vocab, temperature):
+    logits = torch.randn(*batch.input_ids.shape, vocab, generator=torch.Generator().manual_seed(5)).requires_grad_()
+    sums = kd_loss_sums(logits, targets, batch.labels, ignore_index=IGNORE, temperature=temperature, num_chunks=3)
+    (sums.kd + sums.kl).backward()
+    return sums, logits.grad
+
+
+@pytest.mark.parametrize("loss", ["gold", "uld"])
+def test_a_sparse_cache_of_a_teacher_with_another_tokenizer_keeps_each_spans_head_distribution(loss):
+    """topk keeps each span head's k most likely teacher tokens and the tail's mass, spread evenly over the others:
+    with k = V − 1 that is the whole distribution, and the loss, logged distance (at the cache's temperature) and
+    gradients are the live teacher's; with a small k the top k are the live ones and the tail's mass too. sample keeps
+    k draws, seeded by the row (not its place in the batch): the empirical distribution."""
+    from dataclasses import replace
+
+    from kdsweep.teacher.cache import Spec
+    from kdsweep.teacher.cross_cache import from_fields, sparse_head, span_fields
+
+    batch = student_batch("byte_level", True, T=40)
+    s, t = tokenizer("byte_level"), tokenizer("metaspace")
+    cross = source("byte_level", "metaspace", tiny_model(len(t), seed=4), loss=loss)
+    scoring = {"student_vocab": len(s), "loss": loss, "vocab_map": cross.vocab_map}
+    spec = lambda method, k: Spec(method=method, k=k, temperature=2.0, seed=3, vocab=len(t), dtype="float32",
+                                  aligned=True)
+    kept = {}
+    with cross.built(batch) as (built, unaligned):
+        live = replace(built.targets, kl_temperature=2.0)
+        want_p = live.teacher.head_log_probs(2.0).exp()
+        for method, k, seeds in (("topk", len(t) - 1, ()), ("topk", 12, ()), ("sample", 64, (7, 8)), ("sample", 64, (9, 8))):
+            fields = span_fields(built, unaligned, *batch.input_ids.shape, spec(method, k), seeds)
+            kept[method, k, seeds] = fields, from_fields(fields, batch.labels, spec(method, k), scoring,
+                                                        torch.device("cpu"),
+                                                        sparse_head(fields, spec(method, k), torch.device("cpu")))[0]
+        (want, g_want) = _sums_and_grad(live, batch, len(s), 2.0)
+    whole = kept["topk", len(t) - 1, ()][1]
+    assert not whole.exact and whole.kl_temperature == 2.0 and whole.extent == live.extent
+    got, g_got = _sums_and_grad(whole, batch, len(s), 2.0)
+    for a, b in zip(got, want):
+        assert a.item() == pytest.approx(b.item(), rel=1e-5, abs=1e-6), loss
+    assert torch.allclose(g_got, g_want, rtol=1e-4, atol=1e-7)
+    top = kept["topk", 12, ()][1].teacher.head_log_probs(2.0).exp()
+    values, ids = want_p.topk(12, dim=-1)
+    assert torch.allclose(top.gather(-1, ids), values, atol=1e-6)
+    assert torch.allclose(top.sum(-1), torch.ones(len(top)), atol=1e-5)  # the tail's mass, spread over the others
+    assert torch.allclose(top.scatter(-1, ids, 0.0).sum(-1), 1 - values.sum(-1), atol=1e-5)
+    (fa, a), (fb, b) = kept["sample", 64, (7, 8)], kept["sample", 64, (9, 8)]
+    p = a.teacher.head_log_probs(2.0).exp()
+    assert torch.allclose(p * 64, (p * 64).round(), atol=1e-4) and torch.allclose(p.sum(-1), torch.ones(len(p)))
+    row1 = batch.input_ids.shape[1]
+    assert torch.equal(fa["ids"][1], fb["ids"][1]) and not torch.equal(fa["ids"][0], fb["ids"][0])  # by row's seed
+    assert set(fa) == {"ids", "span", "cont_logp", "nll", "row_counts"} and row1 == 40
+    with pytest.raises(ValueError, match="head distribution at T=2"):  # another temperature: never silently
+        _sums_and_grad(whole, batch, len(s), 1.0)
+
+
 def test_an_instruction_sample_is_read_in_the_teachers_tokens_and_only_its_response_takes_kd_terms():
     """kdsweep's instruction template is the same text for both models: the teacher reads the prompt as context in
     its own tokens (its own BOS for the student's), and only the response and its EOS, the trained tokens, are aligned
