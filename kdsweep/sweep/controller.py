@@ -329,7 +329,8 @@ class Controller:
             return
         record = Path(entry["run_dir"]) / "run.json"
         if record.exists():  # it ran, and ended while no controller watched: judge what it left
-            self.manifest.put(number, state="RUNNING", job={"logs": [str(Path(entry["run_dir"]) / "job.log")]})
+            self.manifest.put(number, state="RUNNING",
+                              job={"unwatched": True, "logs": [str(Path(entry["run_dir"]) / "job.log")]})
             self._finish(number, "gone")
             return
         self.manifest.put(number, attempts=max(0, entry.get("attempts", 1) - 1))  # it never started
@@ -373,11 +374,14 @@ def crash_point(point: str, number: int) -> None:
 
 
 def job_name(job: dict[str, Any] | None) -> str:
+    """How the summary names a trial's job: its worker, SLURM job or process; one that ended while no controller
+    watched it (a controller killed in the launch window: its record was found, its job no longer was) says so."""
     if not job:
         return "-"
-    if "worker" in job:
-        return f"worker {job['worker']}"
-    return f"slurm {job['slurm_job_id']}" if "slurm_job_id" in job else f"pid {job['pid']}"
+    for key, name in (("worker", "worker"), ("slurm_job_id", "slurm"), ("pid", "pid")):
+        if key in job:
+            return f"{name} {job[key]}"
+    return "ended unwatched"
 
 
 def summary_lines(manifest: Manifest) -> list[str]:

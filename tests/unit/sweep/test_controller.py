@@ -100,6 +100,20 @@ def test_status_marks_the_best_trial_by_direction_and_the_pareto_front(tmp_path)
     assert table(("minimize", "minimize"), [[1.0, 3.0], [2.0, 2.0], [3.0, 3.0]]) == [True, True, False]
 
 
+def test_the_summary_names_every_kind_of_job_even_one_adopted_with_only_its_logs(tmp_path):
+    """A trial whose job ended while no controller watched (kill -9 in the launch window, then resume: its
+    run.json was found) keeps only its logs: the summary says so, it does not die on a missing pid."""
+    s = SweepSettings(study_name="t", objectives=("student_ce",), directions=("minimize",))
+    m = Manifest.open(tmp_path, s, [], [])
+    jobs = [{"pid": 12, "logs": []}, {"slurm_job_id": "7", "logs": []}, {"worker": "w0", "seq": 1, "logs": []},
+            {"unwatched": True, "logs": ["job.log"]}, None]
+    for n, job in enumerate(jobs):
+        m.put(n, state="COMPLETE", values=[1.0 + n], params={}, run_dir="d", job=job)
+    lines = summary_lines(m)[1:]
+    for line, name in zip(lines, ["pid 12", "slurm 7", "worker w0", "ended unwatched", " - "]):
+        assert name in line, (name, line)
+
+
 def test_range_mistakes_and_grid_over_a_range():
     with pytest.raises(ConfigError, match="range\\(\\) takes integers"):
         parse_space({"lr": "range(0.001,0.01,0.003)"})
