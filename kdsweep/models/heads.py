@@ -52,9 +52,20 @@ def final_hidden(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Ten
         return model(**inputs).logits
 
 
+def frozen_hidden(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """:func:`final_hidden` of a frozen model whose projection :func:`frozen_projection` gives next: its output
+    layer (FSDP: its own unit, gathered by the forward's hooks although the forward skips it) stays unsharded after
+    the forward, for the projection to use and reshard, so it is gathered once per forward, not twice."""
+    layer = output_layer(model)
+    if hasattr(layer, "set_reshard_after_forward"):
+        layer.set_reshard_after_forward(False, recurse=False)
+    return final_hidden(model, inputs)
+
+
 @contextmanager
 def frozen_projection(model: nn.Module) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
-    """The model's output projection, for no-grad use on any chunk until the context ends (FSDP: unsharded till then)."""
+    """The model's output projection, for no-grad use on any chunk until the context ends (FSDP: unsharded till then;
+    already, after :func:`frozen_hidden`'s forward)."""
     layer = output_layer(model)
     # FSDP: the layer's own unit, or (an output layer tied to the embeddings) the root's
     owner = layer if hasattr(layer, "unshard") else model if hasattr(model, "unshard") else None

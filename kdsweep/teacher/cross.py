@@ -22,7 +22,7 @@ from torch import nn
 from kdsweep.data.batch import Batch
 from kdsweep.losses.aligned import Aligned, LiveSpans
 from kdsweep.losses.cross_tokenizer import VocabMap
-from kdsweep.models.heads import final_hidden, frozen_projection
+from kdsweep.models.heads import frozen_hidden, frozen_projection
 from kdsweep.teacher.align import Span, align_spans, shared_vocab
 from kdsweep.teacher.reader import RowReader, vocab_bytes
 from kdsweep.teacher.source import TeacherSource
@@ -165,7 +165,7 @@ class CrossTokenizerTeacher(TeacherSource):
         self.tokens_computed += t_ids.numel()
         inputs = {"input_ids": t_ids, "position_ids": t_pos, "use_cache": False}  # right padding needs no mask
         with torch.no_grad():  # causal; packed documents: their position ids
-            out = final_hidden(self.model, inputs) if self.fused else self.model(**inputs).logits
+            out = frozen_hidden(self.model, inputs) if self.fused else self.model(**inputs).logits
         row_spans, unaligned = [], []
         for r in reads:
             try:

@@ -10,7 +10,7 @@ from torch import nn
 
 from kdsweep.data.batch import Batch
 from kdsweep.losses.targets import Logits
-from kdsweep.models.heads import final_hidden, frozen_projection
+from kdsweep.models.heads import frozen_hidden, frozen_projection
 from kdsweep.teacher.source import TeacherSource
 
 
@@ -27,7 +27,7 @@ class LiveTeacher(TeacherSource):
     def targets(self, batch: Batch) -> Iterator[Logits]:
         self.tokens_computed += batch.input_ids.numel()  # padding too: the model computes it
         with torch.no_grad():  # only the teacher's forward: what the caller does with the targets needs grads
-            out = final_hidden(self.model, batch.inputs()) if self.fused else self.model(**batch.inputs()).logits
+            out = frozen_hidden(self.model, batch.inputs()) if self.fused else self.model(**batch.inputs()).logits
         if not self.fused:
             yield Logits(logits=out)
             return

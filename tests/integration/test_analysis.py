@@ -149,6 +149,9 @@ def test_reproduce_command_composes_the_best_trials_config(sweep_dir, tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     composed, ran = yaml.safe_load(out.stdout), read_run(sweep_dir / str(best))["config"]
     ignore = ("output_dir", "trial")
+    # loss.impl=auto is chosen before launch (the same choice for the same models), and run.json records the choice
+    assert composed["loss"]["impl"] == "auto" and ran["loss"]["impl"] == "fused"
+    composed["loss"]["impl"] = "fused"
     assert {k: v for k, v in composed.items() if k not in ignore} == {k: v for k, v in ran.items() if k not in ignore}
     assert argv[-1] == f"hydra.run.dir={tmp_path / 'again'}"
 

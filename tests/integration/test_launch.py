@@ -133,6 +133,32 @@ def test_a_trial_that_failed_while_no_controller_watched_keeps_its_reason(tmp_pa
     assert trial["reason"].startswith("kdsweep: error:") and "row 150: no column 'text'" in trial["reason"]
 
 
+def test_a_trial_that_completed_while_no_controller_watched_is_judged_and_the_resume_prints_its_summary(tmp_path,
+                                                                                                        zoo_dirs):
+    """One job per trial (workers=0); the controller is killed just after launching trial 0, before writing its
+    job down. The job completes alone; the resume finds its record, not its process: it takes the trial's result,
+    exits 0 and prints the summary, naming the job as one that ended unwatched."""
+    os.environ[CRASH_AT] = "after_launch:0"
+    try:
+        sweep_dir, proc = tiny_sweep(tmp_path, "unwatched", "hydra.sweeper.n_trials=1", "hydra.sweeper.workers=0",
+                                     check=False)
+    finally:
+        del os.environ[CRASH_AT]
+    assert proc.returncode == -9
+    record = sweep_dir / "0" / "run.json"
+    deadline = time.time() + 300  # the orphaned job completes on its own
+    while not (record.exists() and read_run(sweep_dir / "0")["status"] == "completed"):
+        assert time.time() < deadline
+        time.sleep(0.5)
+    time.sleep(1)  # its process exits after its record
+    resumed = kdsweep("resume", str(sweep_dir), cwd=tmp_path)
+    trial = json.loads((sweep_dir / "sweep.json").read_text())["trials"]["0"]
+    assert trial["state"] == "COMPLETE" and trial["values"] == [read_run(sweep_dir / "0")["objective"]], trial
+    assert "ended unwatched" in resumed.stdout + resumed.stderr and "Traceback" not in resumed.stderr
+    status = kdsweep("status", str(sweep_dir), cwd=tmp_path).stdout
+    assert "ended unwatched" in status
+
+
 SMALL = ["train.max_steps=6", "train.eval_every=3", "data.batch_size=16", "data.micro_batch_size=4",
          "checkpoint.save_every=0", "checkpoint.export_merged=false", "checkpoint.export_adapter=false", *QUIET]
 
