@@ -477,7 +477,9 @@ class ProfilerConfig:
     active: int = 3
     """Steps recorded into the trace."""
     record_shapes: bool = False
+    """Each op's input shapes in the trace."""
     with_stack: bool = False
+    """Each op's Python stack, and every Python function the traced steps call (``python_function`` events)."""
 
     def __post_init__(self) -> None:
         _check(self.wait >= 0 and self.warmup >= 0, f"profiler.wait={self.wait} and profiler.warmup={self.warmup} must be >= 0")

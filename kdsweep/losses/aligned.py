@@ -18,6 +18,9 @@ continuation counts are host-side, so that :meth:`cuts` and :meth:`split` need n
 
 from __future__ import annotations
 
+import bisect
+import functools
+import itertools
 import math
 from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol
@@ -87,8 +90,12 @@ class LiveSpans:
     def nll(self) -> torch.Tensor:
         return -(token_log_probs(self.head_logits(), self.head_token) + self.cont_logp(1.0))
 
+    @functools.cached_property
+    def _count_at(self) -> list[int]:
+        return list(itertools.accumulate(self.count, initial=0))
+
     def select(self, first: int, count: int) -> "LiveSpans":
-        lo, hi = sum(self.count[:first]), sum(self.count[:first + count])
+        lo, hi = self._count_at[first], self._count_at[first + count]
         spans = slice(first, first + count)
         return LiveSpans(self.rows, self.head_row[spans], self.head_token[spans], self.cont_row[lo:hi],
                          self.cont_token[lo:hi], self.cont_span[lo:hi] - first, self.count[spans])
@@ -197,19 +204,20 @@ class Aligned:
 
     def split_at(self, sizes: list[int]) -> list["Aligned"]:
         """Chunks of these lengths, whose boundaries cut no span."""
+        heads = [h for h, _ in self.extent]
+        cont_at = list(itertools.accumulate(self.cont_count, initial=0))
         out, lo, first = [], 0, 0
         for size in sizes:
-            count = 0
-            while first + count < len(self.extent) and self.extent[first + count][0] < lo + size:
-                count += 1
-            out.append(self._select(first, count, lo, size))
-            lo, first = lo + size, first + count
+            end = bisect.bisect_left(heads, lo + size, lo=first)  # the spans whose heads are in this chunk
+            out.append(self._select(first, end - first, lo, size, cont_at))
+            lo, first = lo + size, end
         return out
 
-    def _select(self, first: int, count: int, lo: int, size: int) -> "Aligned":
+    def _select(self, first: int, count: int, lo: int, size: int, cont_at: list[int]) -> "Aligned":
         """Spans ``first`` … ``first + count − 1`` on positions ``lo`` … ``lo + size − 1``, renumbered from 0. Each
-        side's continuation rows are in span order, so theirs are one slice (host-side counts, no device sync)."""
-        s_lo, s_hi = sum(self.cont_count[:first]), sum(self.cont_count[:first + count])
+        side's continuation rows are in span order, so theirs are one slice (``cont_at``: where each span's begin,
+        host-side, no device sync)."""
+        s_lo, s_hi = cont_at[first], cont_at[first + count]
         spans = slice(first, first + count)
         return replace(
             self, n=size, head=self.head[spans] - lo, cont=self.cont[s_lo:s_hi] - lo,

@@ -88,18 +88,17 @@ def chunk_sizes(n: int, num_chunks: int) -> list[int]:
 
 def cuts_avoiding(n: int, num_chunks: int, extents: list[tuple[int, int]]) -> list[int]:
     """The even split's chunk lengths (:func:`chunk_sizes`), each boundary moved past any span ``(first, last)`` of
-    ``extents`` it would cut (a chunk may be left empty)."""
-    inside = [False] * (n + 1)  # inside[p]: a boundary at p would cut a span
-    for first, last in extents:
-        for p in range(first + 1, last + 1):
-            inside[p] = True
-    bounds, previous = [], 0
-    for b in itertools.accumulate(chunk_sizes(n, num_chunks)):
-        b = max(b, previous)
-        while b < n and inside[b]:
-            b += 1
-        bounds.append(b)
-        previous = b
+    ``extents`` it would cut (a chunk may be left empty): each to the first place at or after it that is inside no
+    span (no Python per token)."""
+    sizes = chunk_sizes(n, num_chunks)
+    if not extents:
+        return sizes
+    span = torch.tensor(extents, dtype=torch.long)
+    depth = torch.zeros(n + 2, dtype=torch.long)  # spans open at p: a boundary at p would cut them
+    depth.index_add_(0, span[:, 0] + 1, torch.ones(len(span), dtype=torch.long))
+    depth.index_add_(0, span[:, 1] + 1, torch.full((len(span),), -1, dtype=torch.long))
+    free = (depth.cumsum(0)[: n + 1] == 0).nonzero().squeeze(-1)  # n is always free
+    bounds = free[torch.searchsorted(free, torch.tensor(list(itertools.accumulate(sizes))))].tolist()
     return [b - a for a, b in zip([0, *bounds[:-1]], bounds)]
 
 

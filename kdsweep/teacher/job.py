@@ -85,18 +85,16 @@ class CrossPair:
     """A teacher with another tokenizer and the student: how one reads the other's rows, the tokens they share,
     how the spans are scored, and what run.json says of it; live (:meth:`live`) or cached alike."""
 
-    reader: Any
-    """How the teacher reads the student's rows: from their tokens (:class:`~kdsweep.teacher.reader.RowReader`), or
-    chat rows in its own template from what was kept beside them (:class:`~kdsweep.teacher.views.ViewReads`)."""
+    reads: dict[str, Any]
+    """Per split, each row as the teacher reads it, aligned (:class:`~kdsweep.teacher.aligned_rows.AlignedRows`):
+    from its tokens (:class:`~kdsweep.teacher.reader.RowReader`), or a chat row in the teacher's own template from
+    what was kept beside it (:class:`~kdsweep.teacher.views.ViewReads`)."""
     scoring: dict[str, Any]
     """:class:`~kdsweep.losses.aligned.Aligned`'s settings: ``student_vocab``, ``loss``, ``vocab_map``, the GOLD
     weights, the logged divergence."""
-    max_positions: int
-    pad_id: int
     teacher_vocab: int
     """The teacher's output layer's rows (its logits' width)."""
     record: dict[str, Any]
-    ignore_index: int
     fused: bool = False
     """``loss.impl=fused``: the teacher's final hidden states, projected one chunk's spans at a time."""
 
@@ -104,8 +102,7 @@ class CrossPair:
         """The live teacher of ``split``'s rows."""
         from kdsweep.teacher.cross import CrossTokenizerTeacher
 
-        return CrossTokenizerTeacher(model, self.reader, ignore_index=self.ignore_index, max_positions=self.max_positions,
-                                     pad_id=self.pad_id, split=split, fused=self.fused, **self.scoring)
+        return CrossTokenizerTeacher(model, self.reads, split=split, fused=self.fused, **self.scoring)
 
 
 def cross_pair(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: RunData, device: torch.device) -> CrossPair:
@@ -115,6 +112,7 @@ def cross_pair(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: RunDa
 
     from kdsweep.config.schema import ConfigError
     from kdsweep.models.load import load_tokenizer
+    from kdsweep.teacher.aligned_rows import aligned_splits
     from kdsweep.teacher.cross import vocab_map_of
     from kdsweep.teacher.reader import RowReader
     from kdsweep.teacher.views import ViewReads
@@ -131,6 +129,8 @@ def cross_pair(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: RunDa
     reader = RowReader(s_tok, t_tok) if data.train.views is None else \
         ViewReads({"train": data.train.views, "eval": data.eval.views})
     check_reads(reader, data, "teacher", loss.ignore_index)
+    pad_id = t_tok.pad_token_id if t_tok.pad_token_id is not None else t_tok.eos_token_id
+    reads = aligned_splits(reader, data, t_tok, int(t_conf.max_position_embeddings), pad_id)
     w_m = vocab_map.matched_share if loss.gold_matched_weight is None else loss.gold_matched_weight
     w_u = 1.0 - w_m if loss.gold_unmatched_weight is None else loss.gold_unmatched_weight
     log.info("teacher: its own tokenizer (%d tokens; the student's %d; %d shared): %s over aligned spans%s",
@@ -146,10 +146,7 @@ def cross_pair(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: RunDa
     scoring = {"student_vocab": len(s_tok), "loss": loss.cross_tokenizer, "vocab_map": vocab_map,
                "w_matched": loss.gold_matched_weight, "w_unmatched": loss.gold_unmatched_weight,
                "kl_divergence": loss.divergence, "kl_beta": loss.beta}
-    return CrossPair(reader, scoring, max_positions=int(t_conf.max_position_embeddings),
-                     pad_id=t_tok.pad_token_id if t_tok.pad_token_id is not None else t_tok.eos_token_id,
-                     teacher_vocab=int(t_conf.vocab_size), record=record, ignore_index=loss.ignore_index,
-                     fused=loss.impl == "fused")
+    return CrossPair(reads, scoring, teacher_vocab=int(t_conf.vocab_size), record=record, fused=loss.impl == "fused")
 
 
 def open_teacher(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: RunData, dist: DistEnv,

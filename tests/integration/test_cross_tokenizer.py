@@ -39,13 +39,19 @@ def test_the_second_teacher_has_its_own_tokenizer_and_matches_it(other_teacher, 
         (zoo_dirs["teacher"] / "kdsweep_zoo.json").read_text())["recipe"]  # pre-trained as the tiny teacher is
 
 
+PROFILED = ["profiler.enabled=true", "profiler.with_stack=true", "profiler.wait=1", "profiler.warmup=1",
+            "profiler.active=2"]
+"""Steps 2 and 3 traced with every Python function they call."""
+
+
 @pytest.fixture(scope="module")
 def cross_runs(tmp_path_factory, other_teacher):
     root = tmp_path_factory.mktemp("cross")
     runs = {loss: root / loss for loss in ("gold", "uld")}
     with ThreadPoolExecutor(2) as pool:  # one thread each: side by side
         done = [pool.submit(kdsweep, "teacher=tiny_other", f"loss.cross_tokenizer={loss}", "loss.impl=chunked", *SHORT,
-                            f"hydra.run.dir={run_dir}", cwd=root) for loss, run_dir in runs.items()]
+                            *(PROFILED if loss == "uld" else ()), f"hydra.run.dir={run_dir}", cwd=root)
+                for loss, run_dir in runs.items()]
         for job in done:
             job.result()
     return runs
@@ -66,6 +72,19 @@ def test_the_second_teacher_distils_across_tokenizers_and_says_what_its_numbers_
         evals = [r for r in rows if r["kind"] == "eval"]
         assert evals and all(math.isfinite(r["teacher_ce"]) and r["teacher_ce"] > 0 for r in evals)
         assert record["cost"]["teacher_tokens_computed"] > 0
+
+
+def test_a_cross_tokenizer_step_reads_its_alignment_and_aligns_nothing(cross_runs):
+    """The traced steps (every Python function they call) make their targets from the spans kept with the rows, and
+    neither read a row in the teacher's tokens nor align one: that was done once, when the rows were made."""
+    trace = json.loads((cross_runs["uld"] / "profile" / "trace_rank0.json").read_text())
+    called = {e["name"] for e in trace["traceEvents"] if e.get("cat") == "python_function"}
+    steps = {e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("ProfilerStep#")}
+    assert steps == {"ProfilerStep#2", "ProfilerStep#3"}
+    assert any(n.endswith(": aligned_targets") for n in called) and any("aligned_rows.py(" in n for n in called)
+    for module in ("teacher/reader.py(", "teacher/align.py(", "teacher/views.py("):
+        assert not [n for n in called if module in n], module
+    assert not [n for n in called if n.endswith((": row_plan", ": span_plan", ": build"))]
 
 
 @pytest.fixture(scope="module")

@@ -11,14 +11,13 @@ from kdsweep.losses import DIVERGENCES, kd_loss_sums
 from kdsweep.losses.cross_tokenizer import VocabMap
 from kdsweep.losses.mixture import Mixture
 from kdsweep.losses.targets import Logits
-from kdsweep.teacher.cross import aligned_targets, rows_of
 from test_span_losses import (B, IGNORE, PAIRS, T, VS, VT, cross_case, probs, rand, reads_of, ref_cross_sum,
-                              ref_divergence)
+                              ref_divergence, targets_of)
 
 
 def both_teachers():
     ids, labels, t_ids, t_logits, spans = cross_case()
-    cross = aligned_targets(spans, reads_of(ids, 6), labels, t_ids, rows_of(t_logits), ignore_index=IGNORE, student_vocab=VS,
+    cross = targets_of(spans, reads_of(ids, 6), labels, t_ids, t_logits, student_vocab=VS,
                             loss="gold", vocab_map=VocabMap.of(PAIRS, VS, VT)).targets
     same = rand(B, T, VS, seed=11)
     return ids, labels, t_ids, t_logits, spans, same, cross

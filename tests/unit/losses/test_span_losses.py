@@ -161,6 +161,7 @@ def test_gradients_match_finite_differences(loss):
 from kdsweep.losses import kd_loss_sums  # noqa: E402
 from kdsweep.losses.targets import Logits  # noqa: E402
 from kdsweep.teacher.align import Span  # noqa: E402
+from kdsweep.teacher.aligned_rows import BatchPlan, RowPlan, span_plan  # noqa: E402
 from kdsweep.teacher.cross import aligned_targets, rows_of  # noqa: E402
 from kdsweep.teacher.reader import Read  # noqa: E402
 
@@ -172,6 +173,18 @@ def reads_of(ids, teacher_len=T):
     on the teacher's side (positions 0, 1, …)."""
     return [Read("", [], [], [], list(range(teacher_len)), student_ids=row, predictor=[None, *range(len(row) - 1)])
             for row in ids.tolist()]
+
+
+def targets_of(spans, reads, labels, t_ids, t_logits, **kw):
+    """The targets of rows whose spans are ``spans``, read by ``reads``, with the teacher's tokens ``t_ids`` [B, W]
+    and logits ``t_logits`` [B, W, Vt]: each row's plan, as kept with the rows, then the batch's."""
+    plans = []
+    for row, read, trained, ids in zip(spans, reads, (labels != IGNORE).tolist(), t_ids):
+        kept, dropped = span_plan(row, read, trained)
+        plans.append(RowPlan(torch.tensor(kept, dtype=torch.int32).reshape(-1, 4), ids.int(),
+                             torch.tensor(read.teacher_positions, dtype=torch.int32), dropped))
+    plan = BatchPlan.of(plans, labels.shape[1], pad_id=0)
+    return aligned_targets(plan, labels, plan.teacher_ids, rows_of(t_logits), **kw)
 
 
 def rows(seed, vocab):
@@ -187,7 +200,7 @@ def test_one_tokenizer_through_the_cross_tokenizer_path_gives_the_same_tokenizer
     spans = [[Span((a, a + 1), (a, a + 1), (a, a + 1)) for a in range(T)] for _ in range(B)]
     identity = VocabMap.of([(i, i) for i in range(VS)], VS, VS)
     for divergence in DIVERGENCES:
-        built = aligned_targets(spans, reads_of(ids), labels, ids, rows_of(t_logits), ignore_index=IGNORE, student_vocab=VS, loss="gold",
+        built = targets_of(spans, reads_of(ids), labels, ids, t_logits, student_vocab=VS, loss="gold",
                                 vocab_map=identity, kl_divergence="forward_kl")
         assert built.dropped == 0 and built.spans == int((labels != IGNORE).sum())
         for chunks in (1, 3):
@@ -235,7 +248,7 @@ def ref_cross_sum(ids, labels, t_ids, t_logits, spans, s_logits, loss, weights=N
 @pytest.mark.parametrize("loss", ["gold", "uld"])
 def test_span_targets_match_the_reference_and_no_chunking_changes_them(loss):
     ids, labels, t_ids, t_logits, spans = cross_case()
-    built = aligned_targets(spans, reads_of(ids, 6), labels, t_ids, rows_of(t_logits), ignore_index=IGNORE, student_vocab=VS, loss=loss,
+    built = targets_of(spans, reads_of(ids, 6), labels, t_ids, t_logits, student_vocab=VS, loss=loss,
                             vocab_map=VocabMap.of(PAIRS, VS, VT))
     assert built.spans == 6 and built.dropped == 1  # row 1's span over the untrained position 1
     s_logits = rand(B, T, VS, seed=6)
@@ -271,7 +284,41 @@ def test_at_a_temperature_the_uld_parts_carry_t_and_the_matched_part_t_squared()
     want = {"uld": temperature * at_t("uld"),
             "gold": temperature ** 2 * at_t("gold", (w_m, 0.0)) + temperature * at_t("gold", (0.0, 1 - w_m))}
     for loss, expected in want.items():
-        built = aligned_targets(spans, reads_of(ids, 6), labels, t_ids, rows_of(t_logits), ignore_index=IGNORE, student_vocab=VS,
+        built = targets_of(spans, reads_of(ids, 6), labels, t_ids, t_logits, student_vocab=VS,
                                 loss=loss, vocab_map=VocabMap.of(PAIRS, VS, VT))
         sums = kd_loss_sums(s_logits, built.targets, labels, ignore_index=IGNORE, temperature=temperature, num_chunks=2)
         assert sums.kd.item() == pytest.approx(expected, rel=1e-12), loss
+
+
+def test_chunk_boundaries_move_to_the_first_place_no_span_crosses():
+    """kdsweep.losses.targets.cuts_avoiding against its definition, walked place by place: random spans (some side
+    by side, some long, one to the last position), any number of chunks."""
+    from kdsweep.losses.targets import chunk_sizes, cuts_avoiding
+
+    def walked(n, num_chunks, extents):
+        inside = [False] * (n + 1)
+        for first, last in extents:
+            for p in range(first + 1, last + 1):
+                inside[p] = True
+        bounds, previous, at = [], 0, 0
+        for size in chunk_sizes(n, num_chunks):
+            at += size
+            b = max(at, previous)
+            while b < n and inside[b]:
+                b += 1
+            bounds.append(b)
+            previous = b
+        return [b - a for a, b in zip([0, *bounds[:-1]], bounds)]
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        n = int(torch.randint(1, 60, (), generator=g))
+        heads = sorted(set(torch.randint(0, n, (int(torch.randint(0, n + 1, (), generator=g)),), generator=g).tolist()))
+        extents, end = [], -1
+        for h in heads:
+            if h > end:
+                end = min(n - 1, h + int(torch.randint(0, 6 if trial % 3 else 30, (), generator=g)))
+                extents.append((h, end))
+        for chunks in (1, 2, 3, 7, 64):
+            got = cuts_avoiding(n, chunks, extents)
+            assert got == walked(n, chunks, extents) and sum(got) == n, (n, chunks, extents)

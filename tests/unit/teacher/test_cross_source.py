@@ -9,6 +9,8 @@ import torch
 
 from helpers import one_thread  # noqa: F401
 from kdsweep.data.batch import Batch
+from kdsweep.data.rows import Rows
+from kdsweep.teacher.aligned_rows import AlignedRows
 from kdsweep.losses import DIVERGENCES, kd_loss_sums
 from kdsweep.teacher.cross import CrossTokenizerTeacher, vocab_map_of
 from kdsweep.teacher.live import LiveTeacher
@@ -28,7 +30,7 @@ def tiny_model(vocab: int, seed: int):
     return LlamaForCausalLM(config).eval()
 
 
-def student_batch(kind: str, packed: bool, T: int = 100) -> Batch:
+def student_rows(kind: str, packed: bool, T: int = 100) -> Rows:
     """Two rows as kdsweep's data makes them. Packed: each document its own positions (from 0), its last token's
     target the EOS, which is no input. Not packed (a stream): BOS, documents joined by EOS inputs, every target the
     next token. A row cut at ``T`` (40 cuts row 0 inside a word) keeps the target past its end; then padding, never
@@ -54,21 +56,28 @@ def student_batch(kind: str, packed: bool, T: int = 100) -> Batch:
         targets.append(tgt + [IGNORE] * (T - n))
     labels = torch.tensor(targets)
     labels[1, :2] = IGNORE
-    return Batch(torch.tensor(rows), labels, position_ids=torch.tensor(positions) if packed else None)
+    return Rows.from_rows(torch.tensor(rows), labels, torch.tensor(positions) if packed else None, [T, T],
+                          pad_id=tok.pad_token_id, ignore_index=IGNORE)
 
 
-def source(student_kind: str, teacher_kind: str, model, loss="gold"):
+def student_batch(kind: str, packed: bool, T: int = 100) -> Batch:
+    return student_rows(kind, packed, T).batch(torch.arange(2))
+
+
+def source(student_kind: str, teacher_kind: str, model, rows: Rows, loss="gold"):
+    """The live teacher of ``rows``, each read and aligned first as the job does when its rows are made."""
     s, t = tokenizer(student_kind), tokenizer(teacher_kind)
-    return CrossTokenizerTeacher(model, RowReader(s, t), vocab_map_of(s, t, len(t)), loss=loss, ignore_index=IGNORE,
-                                 student_vocab=len(s), max_positions=128, pad_id=t.pad_token_id)
+    reads = {"train": AlignedRows.build(RowReader(s, t), rows, "train", 128, t.pad_token_id)}
+    return CrossTokenizerTeacher(model, reads, vocab_map_of(s, t, len(t)), loss=loss, student_vocab=len(s))
 
 
 @pytest.mark.parametrize("packed", [True, False])
 def test_the_students_own_tokenizer_through_the_cross_path_is_the_live_teacher(packed):
-    batch = student_batch("byte_level", packed)
+    rows = student_rows("byte_level", packed)
+    batch = rows.batch(torch.arange(2))
     model = tiny_model(len(tokenizer("byte_level")), seed=0)
     s_logits = torch.randn(*batch.input_ids.shape, len(tokenizer("byte_level")), generator=torch.Generator().manual_seed(1))
-    cross = source("byte_level", "byte_level", model)
+    cross = source("byte_level", "byte_level", model, rows)
     for divergence in DIVERGENCES:
         kw = dict(divergence=divergence, beta=0.3, temperature=2.0, ignore_index=IGNORE, num_chunks=3)
         with LiveTeacher(model).targets(batch) as live, cross.targets(batch) as aligned:
@@ -81,7 +90,8 @@ def test_the_students_own_tokenizer_through_the_cross_path_is_the_live_teacher(p
 
 
 def test_a_teacher_of_another_tokenizer_reads_the_same_text_and_trains_what_aligns():
-    batch = student_batch("byte_level", packed=True, T=40)
+    rows = student_rows("byte_level", packed=True, T=40)
+    batch = rows.batch(torch.arange(2))
     s, t = tokenizer("byte_level"), tokenizer("metaspace")
     assert is_byte_level(s) is True and is_byte_level(t) is False
     reader = RowReader(s, t)
@@ -93,7 +103,7 @@ def test_a_teacher_of_another_tokenizer_reads_the_same_text_and_trains_what_alig
     assert t.decode(content).replace(" ", "") in (TEXTS[0] + TEXTS[2]).replace(" ", "")
     assert read.teacher_positions[0] == 0 and read.teacher_positions.count(0) == 2  # two documents
     for loss in ("gold", "uld"):
-        cross = source("byte_level", "metaspace", tiny_model(len(t), seed=2), loss=loss)
+        cross = source("byte_level", "metaspace", tiny_model(len(t), seed=2), rows, loss=loss)
         logits = torch.randn(*batch.input_ids.shape, len(s), generator=torch.Generator().manual_seed(3))
         logits.requires_grad_()
         with cross.targets(batch) as aligned:
@@ -156,11 +166,12 @@ def test_what_the_cache_keeps_of_a_batch_gives_the_live_loss_and_gradients(packe
     from kdsweep.teacher.cache import Spec
     from kdsweep.teacher.cross_cache import from_fields, span_fields
 
-    batch = student_batch("byte_level", packed, T=40)
+    rows = student_rows("byte_level", packed, T=40)
+    batch = rows.batch(torch.arange(2))
     s, t = tokenizer("byte_level"), tokenizer("metaspace")
     spec = Spec(method="full", k=0, temperature=2.0, seed=0, vocab=len(t), dtype="float32", aligned=True)
     for loss in ("gold", "uld"):
-        cross = source("byte_level", "metaspace", tiny_model(len(t), seed=4), loss=loss)
+        cross = source("byte_level", "metaspace", tiny_model(len(t), seed=4), rows, loss=loss)
         with cross.built(batch) as (built, unaligned):
             fields = span_fields(built, unaligned, *batch.input_ids.shape, spec)
         scoring = {"student_vocab": len(s), "loss": loss, "vocab_map": cross.vocab_map}
@@ -204,9 +215,10 @@ def test_a_sparse_cache_of_a_teacher_with_another_tokenizer_keeps_each_spans_hea
     from kdsweep.teacher.cache import Spec
     from kdsweep.teacher.cross_cache import from_fields, sparse_head, span_fields
 
-    batch = student_batch("byte_level", True, T=40)
+    rows = student_rows("byte_level", True, T=40)
+    batch = rows.batch(torch.arange(2))
     s, t = tokenizer("byte_level"), tokenizer("metaspace")
-    cross = source("byte_level", "metaspace", tiny_model(len(t), seed=4), loss=loss)
+    cross = source("byte_level", "metaspace", tiny_model(len(t), seed=4), rows, loss=loss)
     scoring = {"student_vocab": len(s), "loss": loss, "vocab_map": cross.vocab_map}
     spec = lambda method, k: Spec(method=method, k=k, temperature=2.0, seed=3, vocab=len(t), dtype="float32",
                                   aligned=True)
@@ -252,12 +264,14 @@ def test_an_instruction_sample_is_read_in_the_teachers_tokens_and_only_its_respo
     row = {"instruction": "Say what the earth was.", "input": "In the beginning",
            "output": "The earth was without form, and void."}
     sample = render(row, FormatSpec(kind="instruction", add_bos=True, ignore_index=IGNORE), s)
-    batch = Batch(torch.tensor([sample.input_ids]), torch.tensor([sample.labels]))
+    rows = Rows.from_rows([sample.input_ids], [sample.labels], None, [len(sample)], pad_id=s.pad_token_id,
+                          ignore_index=IGNORE)
+    batch = rows.batch([0])
     read = RowReader(s, t).read(sample.input_ids, sample.labels)
     assert read.teacher_ids[0] == t.bos_token_id and read.teacher_ids[-1] == t.eos_token_id
     spelled = t.decode([i for i in read.teacher_ids if i not in (t.bos_token_id, t.eos_token_id)])
     assert "### Instruction:" in spelled and spelled.replace(" ", "").endswith(row["output"].replace(" ", ""))
-    cross = source("byte_level", "metaspace", tiny_model(len(t), seed=4))
+    cross = source("byte_level", "metaspace", tiny_model(len(t), seed=4), rows)
     logits = torch.randn(1, len(sample), len(s), generator=torch.Generator().manual_seed(5), requires_grad=True)
     with cross.targets(batch) as aligned:
         sums = kd_loss_sums(logits, aligned, batch.labels, ignore_index=IGNORE, num_chunks=2)
@@ -279,14 +293,15 @@ def test_fused_cross_tokenizer_kd_is_the_chunked_one_without_the_teachers_full_l
     from kdsweep.train.chunked import chunked_loss_backward
     from kdsweep.train.fused import fused_loss_sums
 
-    batch = student_batch("byte_level", True, T=40)
+    rows = student_rows("byte_level", True, T=40)
+    batch = rows.batch(torch.arange(2))
     s, t = tokenizer("byte_level"), tokenizer("metaspace")
     teacher = tiny_model(len(t), seed=4)
     students = [tiny_model(len(s), seed=7).train() for _ in range(2)]
     kw = dict(divergence="jsd", beta=0.3, temperature=2.0, ignore_index=IGNORE)
     results, projected = [], []
     for fused, student in zip((False, True), students):
-        cross = source("byte_level", "metaspace", teacher, loss=loss)
+        cross = source("byte_level", "metaspace", teacher, rows, loss=loss)
         cross.fused = fused
         with cross.targets(batch) as targets:
             if fused:

@@ -16,6 +16,7 @@ from kdsweep.data.formats import FormatSpec, render
 from kdsweep.data.rows import Rows
 from kdsweep.losses import kd_loss_sums
 from kdsweep.teacher.align import align_spans
+from kdsweep.teacher.aligned_rows import AlignedRows
 from kdsweep.teacher.cross import CrossTokenizerTeacher, vocab_map_of
 from kdsweep.teacher.views import TURN_END, TeacherViews, ViewReads
 from test_align import reference_spans, spans, tokenizer
@@ -102,8 +103,9 @@ def test_views_go_through_rows_and_their_files_and_only_assistant_turns_take_kd_
         assert all(o is None or o[0] < covered for o in read.teacher)  # a cut sample's teacher stops where it does
         assert alignment.spans
         assert read.teacher_positions.count(0) == len(loaded.views.row(r))  # each document from 0
-    cross = CrossTokenizerTeacher(tiny_model(len(t), seed=7), reads, vocab_map_of(s, t, len(t)), loss="gold",
-                                  ignore_index=IGNORE, student_vocab=len(s), max_positions=128, pad_id=t.pad_token_id)
+    aligned_rows = {"train": AlignedRows.build(reads, loaded, "train", 128, t.pad_token_id)}
+    cross = CrossTokenizerTeacher(tiny_model(len(t), seed=7), aligned_rows, vocab_map_of(s, t, len(t)), loss="gold",
+                                  student_vocab=len(s))
     logits = torch.randn(*batch.input_ids.shape, len(s), generator=torch.Generator().manual_seed(8), requires_grad=True)
     with cross.targets(batch) as aligned:
         sums = kd_loss_sums(logits, aligned, batch.labels, ignore_index=IGNORE, num_chunks=3)
