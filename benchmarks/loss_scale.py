@@ -31,6 +31,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -105,6 +106,7 @@ def build_models(work: Path) -> Path:
 def job(arm: str, tokens: int, steps: int, threads: int, work: Path, models: Path, tag: str) -> dict:
     """One job of ``arm``; its run.json and train rows, summarised."""
     run_dir = work / "runs" / f"{tokens}" / f"{arm.replace('/', '-')}-{tag}"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a run directory that holds a finished run would resume it: no step
     micro = tokens // SEQ
     overrides = [o.format(m=models) for o in ARMS[arm]] + [
         "model.path=" + str(models / "student"), "lora_rank=8", f"data.seq_len={SEQ}", f"data.batch_size={micro}",

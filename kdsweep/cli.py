@@ -23,17 +23,19 @@ def _sweep_dir(args: list[str], command: str) -> Path:
 
 
 def status(args: list[str]) -> None:
+    from kdsweep.sweep.budget import budget_lines
     from kdsweep.sweep.controller import summary_lines
     from kdsweep.sweep.cost import cache_lines, cost_lines, sweep_cost
     from kdsweep.sweep.manifest import Manifest
     from kdsweep.sweep.workers import worker_lines
 
     manifest = Manifest.load(_sweep_dir(args, "status"))
-    settings = manifest.data["settings"]
-    print(f"sweep {manifest.path.parent} (study {manifest.data['study_name']}, {len(manifest.trials)} of "
-          f"{settings['n_trials']} trials, storage {settings['storage'] or 'sqlite in the sweep dir'})")
+    settings = manifest.settings
+    limit = f" of {settings.trial_limit:g}" if settings.trial_limit != float("inf") else ""
+    print(f"sweep {manifest.path.parent} (study {manifest.data['study_name']}, {len(manifest.trials)}{limit} "
+          f"trials, storage {settings.storage or 'sqlite in the sweep dir'})")
     print("\n".join([*summary_lines(manifest), *worker_lines(manifest.path.parent), *cost_lines(sweep_cost(manifest)),
-                     *cache_lines(manifest)]))
+                     *budget_lines(manifest), *cache_lines(manifest)]))
 
 
 def resume(args: list[str]) -> None:

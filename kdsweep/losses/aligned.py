@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from kdsweep.losses.cross_tokenizer import VocabMap, gold, merge, uld, uld_scale
-from kdsweep.losses.divergences import log_probs, token_log_probs, upcast
+from kdsweep.losses.divergences import USES_BETA, log_probs, token_log_probs, upcast
 from kdsweep.losses.targets import cuts_avoiding
 
 
@@ -257,6 +257,12 @@ class Aligned:
     def kl(self, log_q: torch.Tensor) -> torch.Tensor:
         """``[n]`` the loss's own distance at :attr:`kl_temperature` (there is no KL between two vocabularies)."""
         return self._score(log_q, self.kl_divergence, self.kl_beta, self.kl_temperature)
+
+    def kl_is(self, divergence: str, beta: float, temperature: float) -> bool:
+        """True when the loss's divergence, β (where it has one) and temperature are the logged distance's: a GOLD
+        or ULD term, sorts included, is then computed once per chunk, not twice."""
+        return ((divergence, temperature) == (self.kl_divergence, self.kl_temperature)
+                and (beta == self.kl_beta or divergence not in USES_BETA))
 
     def teacher_ce(self, labels: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
         """``[n]`` the teacher's −log p of each span's own tokens at its head (0 elsewhere): summed over the student's

@@ -118,15 +118,15 @@ def gold(log_q: torch.Tensor, log_p: torch.Tensor, vocab: VocabMap, divergence: 
     log_q, log_p = upcast(log_q), upcast(log_p)
     w_m = vocab.matched_share if w_matched is None else w_matched
     w_u = 1.0 - w_m if w_unmatched is None else w_unmatched
-    q_other = _with_rest(vocab.student_only, log_q.shape[-1])
-    p_other = _with_rest(vocab.teacher_only, log_p.shape[-1])
-    coarse_q = torch.cat([log_q[:, vocab.student], log_q[:, q_other].logsumexp(-1, keepdim=True)], dim=-1)
-    coarse_p = torch.cat([log_p[:, vocab.teacher], log_p[:, p_other].logsumexp(-1, keepdim=True)], dim=-1)
+    q_other = log_q[:, _with_rest(vocab.student_only, log_q.shape[-1])]  # gathered once: both parts read them
+    p_other = log_p[:, _with_rest(vocab.teacher_only, log_p.shape[-1])]
+    coarse_q = torch.cat([log_q[:, vocab.student], q_other.logsumexp(-1, keepdim=True)], dim=-1)
+    coarse_p = torch.cat([log_p[:, vocab.teacher], p_other.logsumexp(-1, keepdim=True)], dim=-1)
     # an outcome of no mass on both sides (rest of a one-token span; "other" when every token is shared) gives 0
     matched = divergence_per_token(divergence, finite_teacher(coarse_q), finite_teacher(coarse_p), beta=beta)
     if w_u == 0.0:
         return w_m * matched
-    return w_m * matched + w_u * uld_scale * sorted_l1(log_q[:, q_other], log_p[:, p_other])
+    return w_m * matched + w_u * uld_scale * sorted_l1(q_other, p_other)
 
 
 def uld_scale(divergence: str, temperature: float) -> float:

@@ -52,7 +52,8 @@ import torch.nn.functional as F
 DIVERGENCES: tuple[str, ...] = ("forward_kl", "reverse_kl", "jsd", "jsd_normalized", "tvd", "symmetric")
 """Every divergence name :func:`divergence_per_token` accepts (the values of ``loss.divergence``)."""
 
-_USES_BETA = frozenset({"jsd", "jsd_normalized", "symmetric"})
+USES_BETA = frozenset({"jsd", "jsd_normalized", "symmetric"})
+"""The divergences whose value depends on ``loss.beta``."""
 _FIRST_ORDER = frozenset({"tvd"})
 
 
@@ -205,7 +206,7 @@ def divergence_per_token(
     """
     check_divergence(divergence, beta)
     fn = _FUNCTIONS[divergence]
-    return fn(log_p_s, log_p_t, beta) if divergence in _USES_BETA else fn(log_p_s, log_p_t)
+    return fn(log_p_s, log_p_t, beta) if divergence in USES_BETA else fn(log_p_s, log_p_t)
 
 
 def temperature_factor(divergence: str, temperature: float) -> float:
@@ -246,6 +247,7 @@ def divergence_sum(
 
 __all__ = [
     "DIVERGENCES",
+    "USES_BETA",
     "check_divergence",
     "divergence_per_token",
     "divergence_sum",

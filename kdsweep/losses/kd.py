@@ -155,7 +155,7 @@ def kd_loss_sums(
         with torch.no_grad():
             if not t_c.measured:  # no teacher (kd_ratio=0's training steps): no distance to it, and none computed
                 kl_tok = torch.full_like(d, float("nan"))
-            elif divergence == "forward_kl" and t_c.kl_temperature == temperature:
+            elif t_c.kl_is(divergence, beta, temperature):
                 kl_tok = d
             else:
                 kl_tok = t_c.kl(log_p_s if t_c.kl_temperature == temperature else log_probs(s_c, t_c.kl_temperature))

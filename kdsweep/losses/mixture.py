@@ -81,6 +81,9 @@ class Mixture:
     def kl(self, log_q: torch.Tensor) -> torch.Tensor:
         return self._mean(lambda p: p.kl(log_q))
 
+    def kl_is(self, divergence: str, beta: float, temperature: float) -> bool:
+        return all(p.kl_is(divergence, beta, temperature) for p in self.parts)
+
     def teacher_ce(self, labels: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
         return self._mean(lambda p: p.teacher_ce(labels, vocab, ignore_index))
 

@@ -74,6 +74,11 @@ class Targets(Protocol):
         """``[n]`` the logged distance to the teacher at :attr:`kl_temperature`."""
         ...
 
+    def kl_is(self, divergence: str, beta: float, temperature: float) -> bool:
+        """Whether :meth:`kl` is :meth:`divergence` at these settings (the loss then logs its own value, computed
+        once)."""
+        ...
+
     def teacher_ce(self, labels: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
         """``[n]`` the teacher's cross-entropy on the gold labels (0 where ignored)."""
         ...
@@ -160,6 +165,9 @@ class Logits:
         """``[n]`` KL(teacher ‖ student) at :attr:`kl_temperature` from the student's log-probs there."""
         return forward_kl(log_q, self.log_probs(log_q.shape[-1], self.kl_temperature))
 
+    def kl_is(self, divergence: str, beta: float, temperature: float) -> bool:
+        return divergence == "forward_kl" and temperature == self.kl_temperature
+
     def teacher_ce(self, labels: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
         """``[n]`` the teacher's cross-entropy on the gold labels at T = 1 (0 where ignored)."""
         return F.cross_entropy(upcast(self.dense(vocab)), labels, ignore_index=ignore_index, reduction="none")
@@ -202,6 +210,9 @@ class _Sparse:
 
     def kl(self, log_q: torch.Tensor) -> torch.Tensor:
         return self.divergence(log_q, "forward_kl", 0.0, self.temperature)
+
+    def kl_is(self, divergence: str, beta: float, temperature: float) -> bool:
+        return divergence == "forward_kl" and temperature == self.temperature
 
 
 @dataclass

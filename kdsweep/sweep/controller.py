@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kdsweep.metrics.records import JOB_STARTED, SHARED_THREADS, failure_line
+from kdsweep.sweep.budget import Budget
 from kdsweep.sweep.cost import cost_lines, sweep_cost
 from kdsweep.sweep.manifest import FINAL, STORAGE_ENV, Manifest, connect_url
 from kdsweep.sweep.space import Param
@@ -203,6 +204,7 @@ class Controller:
             pruner=make_pruner(settings), directions=list(settings.directions),
         )
         self.distributions = {p.key: p.distribution() for p in space}
+        self.budget, self._wall_saved = Budget(self.manifest, settings.budget, settings.wall_hours), 0.0
         self.start_failures = 0
         # teacher.logits=cache: one trial builds the cache (or finds it) before the others start (see _slots)
         self.cache_ready, self._gate_logged = not teacher_cache, False
@@ -336,6 +338,12 @@ class Controller:
         self.manifest.put(number, attempts=max(0, entry.get("attempts", 1) - 1))  # it never started
         self._start(number)
 
+    def _keep_wall(self) -> None:
+        """Every 10 s, the wall time spent into the manifest (a resume continues the wall-clock limit from it)."""
+        if time.time() - self._wall_saved >= 10.0:
+            self._wall_saved = time.time()
+            self.budget.keep_wall()
+
     def run(self) -> Manifest:
         for number, entry in sorted(self.manifest.trials.items(), key=lambda kv: int(kv[0])):
             if entry["state"] == "ASKED":  # the controller died between ask and start
@@ -349,13 +357,20 @@ class Controller:
                 if code is not None:
                     self._finish(number, code)
             running = [int(n) for n, e in self.manifest.trials.items() if e["state"] == "RUNNING"]
-            while len(running) < self._slots(running) and len(self.manifest.trials) < self.settings.n_trials:
+            while (len(running) < self._slots(running) and len(self.manifest.trials) < self.settings.trial_limit
+                   and self.budget.allows()):
                 self._ask_and_start()
                 running.append(-1)
             if not running:
                 break
+            self._keep_wall()
             time.sleep(self.settings.poll_s)
         self.backend.close()
+        if self.budget.limited:
+            self.manifest.data["budget"] = self.budget.record()
+            log.info("budget: %.0f device-s spent of %s", self.manifest.data["budget"]["device_seconds_spent"],
+                     "no device limit" if self.settings.budget is None else f"{self.settings.budget * 3600:.0f}")
+        self.budget.keep_wall()
         self.manifest.data["cost"] = sweep_cost(self.manifest)
         self.manifest.save()
         for line in cost_lines(self.manifest.data["cost"]):

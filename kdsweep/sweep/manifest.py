@@ -56,7 +56,7 @@ class Manifest:
         if changed:
             raise ConfigError(
                 f"{sweep_dir} holds a sweep with other settings ({'; '.join(changed)}); resume it with its own, "
-                "or start the new search in another hydra.sweep.dir (n_trials, max_concurrent and retries may change)"
+                "or start the new search in another hydra.sweep.dir (n_trials, budget, wall_hours, max_concurrent and retries may change)"
             )
         data["settings"] = fresh["settings"]  # budget and concurrency may change on resume
         return cls(path, data)

@@ -35,7 +35,14 @@ class SweepSettings:
     storage: str | None = None
     """None: a SQLite file in the sweep directory. ``journal:///abs/path.log``: a journal file. Else an
     SQLAlchemy URL (``postgresql+psycopg2://user@host/db``; put passwords in PGPASSWORD, not the URL)."""
-    n_trials: int = 8
+    n_trials: int | None = None
+    """The most trials the sweep asks for; None: 8, or as many as ``budget`` / ``wall_hours`` pay for when set."""
+    budget: float | None = None
+    """Device-hours the sweep may spend (trials' wall × ranks and warm workers' idle time, as ``cost`` counts them):
+    no trial starts once what is spent and what the running trials will spend reach it (kdsweep.sweep.budget)."""
+    wall_hours: float | None = None
+    """Wall-clock hours of the search (every controller's run, a resume included): no trial starts that would end
+    after it."""
     max_concurrent: int = 2
     sampler: str = "tpe"
     seed: int | None = 0
@@ -65,7 +72,12 @@ class SweepSettings:
 
     def __post_init__(self) -> None:
         _check(bool(re.fullmatch(r"[\w.-]+", self.study_name)), f"hydra.sweeper.study_name={self.study_name!r}: use letters, digits, . _ -")
-        _check(self.n_trials >= 1, f"hydra.sweeper.n_trials={self.n_trials} must be >= 1")
+        _check(self.n_trials is None or self.n_trials >= 1,
+               f"hydra.sweeper.n_trials={self.n_trials} must be >= 1 (or null: as many as the budget pays for)")
+        for name in ("budget", "wall_hours"):
+            value = getattr(self, name)
+            _check(value is None or value > 0,
+                   f"hydra.sweeper.{name}={value} must be > 0 hours (or null: no limit)")
         _check(self.max_concurrent >= 1, f"hydra.sweeper.max_concurrent={self.max_concurrent} must be >= 1")
         _check(self.sampler in SAMPLERS, f"hydra.sweeper.sampler={self.sampler!r} is unknown; use one of {', '.join(SAMPLERS)}")
         _check(self.pruner in PRUNERS, f"hydra.sweeper.pruner={self.pruner!r} is unknown; use one of {', '.join(PRUNERS)}")
@@ -101,6 +113,13 @@ class SweepSettings:
         if self.workers is None:
             return 0 if self.reshaping_keys() else self.max_concurrent
         return min(self.workers, self.max_concurrent)
+
+    @property
+    def trial_limit(self) -> float:
+        """The most trials to ask for: ``n_trials``; when it is null, 8 without a budget, else no count."""
+        if self.n_trials is not None:
+            return self.n_trials
+        return float("inf") if self.budget is not None or self.wall_hours is not None else 8
 
     @property
     def multi_objective(self) -> bool:

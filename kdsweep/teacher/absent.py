@@ -56,6 +56,9 @@ class NoTargets:
     def kl(self, log_q: torch.Tensor) -> torch.Tensor:
         return log_q.new_full((log_q.shape[0],), math.nan)
 
+    def kl_is(self, divergence: str, beta: float, temperature: float) -> bool:
+        return False
+
     def teacher_ce(self, labels: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
         return torch.full(labels.shape, math.nan, device=labels.device)
 

@@ -167,6 +167,7 @@ BAD = {
     "bad_point": (["kd_ratio=interval(0.0,1.5)"], "loss.kd_ratio=1.5 is outside [0, 1]"),
     "storage": (["hydra.sweeper.storage=sqlite:////no/such/dir/x.db"], "cannot be reached"),
     "launcher": (["hydra/launcher=submitit_local"], "hydra.launcher=LocalLauncher cannot run kdsweep's trials"),
+    "budget": (["hydra.sweeper.budget=0", "hydra.sweeper.n_trials=null"], "hydra.sweeper.budget=0.0 must be > 0 hours"),
 }
 
 

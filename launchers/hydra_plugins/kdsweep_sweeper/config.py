@@ -11,7 +11,9 @@ class KdsweepOptunaConf:
     _target_: str = "hydra_plugins.kdsweep_sweeper.sweeper.KdsweepOptunaSweeper"
     study_name: str = "kdsweep"
     storage: Optional[str] = None
-    n_trials: int = 8
+    n_trials: Optional[int] = None
+    budget: Optional[float] = None
+    wall_hours: Optional[float] = None
     max_concurrent: int = 2
     sampler: str = "tpe"
     seed: Optional[int] = 0

@@ -57,8 +57,8 @@ class KdsweepOptunaSweeper(Sweeper):
                                 teacher_cache=first.teacher.logits == "cache")
         controller.manifest.data["command"] = [redact(a) for a in sys.argv[1:]]  # never a password on disk
         controller.manifest.save()
-        log.info("sweep %s: study %s on %s, %d trials, %d at a time (%s), sampler %s, pruner %s", sweep_dir,
-                 settings.study_name, redact(settings.storage) or "sqlite (sweep dir)", settings.n_trials,
+        log.info("sweep %s: study %s on %s, %s, %d at a time (%s), sampler %s, pruner %s", sweep_dir,
+                 settings.study_name, redact(settings.storage) or "sqlite (sweep dir)", trials_text(settings),
                  settings.max_concurrent,
                  f"{settings.pool_size} warm workers" if settings.pool_size else "one job per trial",
                  settings.sampler, settings.pruner)
@@ -105,6 +105,15 @@ class KdsweepOptunaSweeper(Sweeper):
         configs = [validate_composed(self.hydra_context.config_loader.load_sweep_config(self.config, [*base, *extra]),
                                      str(sweep_dir / "validation")) for extra in points]
         return configs[0]
+
+
+def trials_text(settings: Any) -> str:
+    """How many trials the sweep asks for, and what limits it: ``8 trials``, ``trials until 2 device-h``."""
+    limits = [f"{settings.budget:g} device-h" if settings.budget is not None else "",
+              f"{settings.wall_hours:g} wall-h" if settings.wall_hours is not None else ""]
+    limits = " and ".join(filter(None, limits))
+    count = f"{settings.trial_limit:g} trials" if settings.trial_limit != float("inf") else "trials"
+    return f"{count} until {limits}" if limits else count
 
 
 def _value_text(override: Any) -> str:

@@ -322,3 +322,27 @@ def test_chunk_boundaries_move_to_the_first_place_no_span_crosses():
         for chunks in (1, 2, 3, 7, 64):
             got = cuts_avoiding(n, chunks, extents)
             assert got == walked(n, chunks, extents) and sum(got) == n, (n, chunks, extents)
+
+
+@pytest.mark.parametrize("loss", ["gold", "uld"])
+@pytest.mark.parametrize("divergence, temperature, once", [
+    ("forward_kl", 1.0, True),   # the logged distance is the loss's own: one GOLD/ULD term per chunk
+    ("jsd", 1.0, False), ("forward_kl", 2.0, False),  # another divergence or temperature: computed apart
+])
+def test_the_logged_distance_is_the_loss_term_computed_once_when_their_settings_agree(loss, divergence, temperature,
+                                                                                       once, monkeypatch):
+    import kdsweep.losses.aligned as aligned
+
+    ids, labels, t_ids, t_logits, spans = cross_case()
+    built = targets_of(spans, reads_of(ids, 6), labels, t_ids, t_logits, student_vocab=VS, loss=loss,
+                       vocab_map=VocabMap.of(PAIRS, VS, VT), kl_divergence="forward_kl")
+    s_logits = rand(B, T, VS, seed=11)
+    scored = []
+    real_merged = aligned.Aligned._merged
+    monkeypatch.setattr(aligned.Aligned, "_merged", lambda self, *a: scored.append(1) or real_merged(self, *a))
+    sums = kd_loss_sums(s_logits, built.targets, labels, divergence=divergence, temperature=temperature,
+                        ignore_index=IGNORE, num_chunks=1)
+    assert len(scored) == (1 if once else 2)
+    valid = (labels != IGNORE).reshape(-1)
+    want = torch.where(valid, built.targets.kl(log_probs(s_logits.reshape(-1, VS))), 0.0).sum()
+    assert sums.kl.item() == pytest.approx(want.item(), rel=1e-12)

@@ -1,0 +1,135 @@
+"""A sweep's budget: device-hours (``hydra.sweeper.budget``) and wall-clock hours (``hydra.sweeper.wall_hours``).
+
+Spent device-seconds are counted as the sweep's ``cost`` counts them (:mod:`kdsweep.sweep.cost`): each trial's
+recorded device-seconds (wall from its job's start × its ranks, every attempt), the warm workers' idle time × their
+ranks, and, for a trial still running, at least its time since it started × its ranks (its record is written at
+checkpoints and at its end). A trial costs what the finished trials cost (their median device-seconds: a pruned
+trial's too, since the search will prune again).
+
+The controller asks for a trial while what is spent plus what the running trials are expected to spend still
+leaves part of the budget (:meth:`Budget.allows`): the last trial it starts may run past the budget by at most its
+own cost, and a sweep never stops while a whole trial's cost is left. Before any trial has finished, a trial's cost
+is unknown: the first ``max_concurrent`` run. The wall-clock limit starts no trial that would end after it (a trial
+takes the finished trials' median wall seconds). A resumed sweep continues both: the records are on disk, and the
+controllers' wall time is kept in the manifest (``wall_s``).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from kdsweep.sweep.manifest import FINAL, Manifest
+from kdsweep.sweep.workers import idle_device_seconds
+
+
+def _cost(entry: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """A trial's recorded cost (empty before its first record) and its ranks (1 until its run.json says)."""
+    path = Path(entry["run_dir"]) / "run.json"
+    record = json.loads(path.read_text()) if path.exists() else {}
+    return record.get("cost") or {}, int(record.get("world_size") or 1)
+
+
+class Budget:
+    """What a sweep may spend and has spent; ``device_s`` / ``wall_s`` None: no limit of that kind."""
+
+    def __init__(self, manifest: Manifest, device_hours: float | None, wall_hours: float | None) -> None:
+        self.manifest = manifest
+        self.device_s = None if device_hours is None else device_hours * 3600.0
+        self.wall_s = None if wall_hours is None else wall_hours * 3600.0
+        self._wall_before = float(manifest.data.get("wall_s", 0.0))  # the earlier controllers' (a resume)
+        self._session_start = time.time()
+
+    @property
+    def limited(self) -> bool:
+        return self.device_s is not None or self.wall_s is not None
+
+    # -- what was spent ----------------------------------------------------------------------------------------
+    def wall_spent(self) -> float:
+        """The seconds every controller of this sweep has run, this one included."""
+        return self._wall_before + time.time() - self._session_start
+
+    def keep_wall(self) -> None:
+        """Save the wall time spent in the manifest (a resumed sweep continues the same wall-clock limit)."""
+        self.manifest.data["wall_s"] = self.wall_spent()
+        self.manifest.save()
+
+    def trial_spent(self, entry: dict[str, Any], now: float) -> float:
+        """A trial's device-seconds: as recorded; for one still running, at least its time since it started (a SLURM
+        job's wait in the queue included, until its record says); for one that ended without a record (it failed
+        before writing one), its time from start to end."""
+        cost, ranks = _cost(entry)
+        recorded = float(cost.get("device_seconds", 0.0))
+        if not entry.get("started"):
+            return recorded
+        if entry.get("state") not in FINAL:
+            return max(recorded, (now - entry["started"]) * ranks)
+        return recorded or max(entry.get("ended", now) - entry["started"], 0.0) * ranks
+
+    def device_spent(self) -> float:
+        """Device-seconds spent: every trial's and the workers' idle time."""
+        now = time.time()
+        return (sum(self.trial_spent(e, now) for e in self.manifest.trials.values())
+                + idle_device_seconds(self.manifest.path.parent))
+
+    def per_trial(self) -> tuple[float | None, float | None]:
+        """What one trial costs, from the finished ones: median device-seconds and median wall seconds (None when
+        none has finished with a record)."""
+        costs = [c for c, _ in (_cost(e) for e in self.manifest.trials.values() if e.get("state") in FINAL)
+                 if c.get("device_seconds")]
+        if not costs:
+            return None, None
+        return (statistics.median(c["device_seconds"] for c in costs),
+                statistics.median(c.get("trial_seconds", 0.0) for c in costs))
+
+    # -- what may start ----------------------------------------------------------------------------------------
+    def allows(self) -> bool:
+        """Whether another trial may start: spent + what the running trials are still expected to spend leaves part
+        of the device budget, and a trial started now would end before the wall-clock limit."""
+        if not self.limited:
+            return True
+        device, wall = self.per_trial()
+        if self.wall_s is not None and self.wall_spent() + (wall or 0.0) > self.wall_s:
+            return False
+        if self.device_s is None:
+            return True
+        now = time.time()
+        running = [e for e in self.manifest.trials.values() if e.get("state") not in FINAL]
+        committed = sum(max((device or 0.0) - self.trial_spent(e, now), 0.0) for e in running)
+        return self.device_spent() + committed < self.device_s
+
+    def record(self) -> dict[str, Any]:
+        """``sweep.json``'s ``budget``: the limits, what was spent, what is left."""
+        device, wall = self.per_trial()
+        spent = self.device_spent()
+        return {"device_hours": None if self.device_s is None else self.device_s / 3600.0,
+                "wall_hours": None if self.wall_s is None else self.wall_s / 3600.0,
+                "device_seconds_spent": spent, "wall_seconds_spent": self.wall_spent(),
+                "device_seconds_left": None if self.device_s is None else self.device_s - spent,
+                "trial_device_seconds": device, "trial_wall_seconds": wall}
+
+
+def budget_lines(manifest: Manifest) -> list[str]:
+    """``kdsweep status``: the budget, spent and left (nothing for a sweep without one)."""
+    settings = manifest.data["settings"]
+    budget = Budget(manifest, settings.get("budget"), settings.get("wall_hours"))
+    budget._session_start = time.time()  # a status reads what the controllers kept, it adds no wall time
+    if not budget.limited:
+        return []
+    spent = budget.device_spent()
+    parts = []
+    if budget.device_s is not None:
+        left = budget.device_s - spent
+        parts.append(f"{spent / 3600:.4g} of {budget.device_s / 3600:.4g} device-h spent "
+                     f"({spent:.0f} device-s; {'left ' + format(left, '.0f') if left >= 0 else 'over by ' + format(-left, '.0f')} device-s)")
+    if budget.wall_s is not None:
+        parts.append(f"{budget.wall_spent() / 3600:.3g} of {budget.wall_s / 3600:.3g} wall-h")
+    device, _ = budget.per_trial()
+    trial = f"; a trial costs about {device:.0f} device-s" if device else ""
+    return [f"budget: {'; '.join(parts)}{trial}"]
+
+
+__all__ = ["Budget", "budget_lines"]
