@@ -32,8 +32,12 @@ def status(args: list[str]) -> None:
     manifest = Manifest.load(_sweep_dir(args, "status"))
     settings = manifest.settings
     limit = f" of {settings.trial_limit:g}" if settings.trial_limit != float("inf") else ""
-    print(f"sweep {manifest.path.parent} (study {manifest.data['study_name']}, {len(manifest.trials)}{limit} "
-          f"trials, storage {settings.storage or 'sqlite in the sweep dir'})")
+    search = sum(not e.get("confirm") for e in manifest.trials.values())
+    confirming = len(manifest.trials) - search
+    plan = manifest.data.get("confirmation")
+    confirmed = f", {confirming} of {len(plan['items'])} confirmation trials" if plan else ""
+    print(f"sweep {manifest.path.parent} (study {manifest.data['study_name']}, {search}{limit} search trials"
+          f"{confirmed}, storage {settings.storage or 'sqlite in the sweep dir'})")
     print("\n".join([*summary_lines(manifest), *worker_lines(manifest.path.parent), *cost_lines(sweep_cost(manifest)),
                      *budget_lines(manifest), *cache_lines(manifest)]))
 

@@ -75,10 +75,10 @@ class Budget:
         return (sum(self.trial_spent(e, now) for e in self.manifest.trials.values())
                 + idle_device_seconds(self.manifest.path.parent))
 
-    def per_trial(self) -> tuple[float | None, float | None]:
-        """What one trial costs, from the finished ones: median device-seconds and median wall seconds (None when
-        none has finished with a record)."""
-        costs = [c for c, _ in (_cost(e) for e in self.manifest.trials.values() if e.get("state") in FINAL)
+    def per_trial(self, states: tuple[str, ...] = FINAL) -> tuple[float | None, float | None]:
+        """What one trial costs, from the finished ones (in ``states``): median device-seconds and median wall seconds
+        (None when none has finished with a record)."""
+        costs = [c for c, _ in (_cost(e) for e in self.manifest.trials.values() if e.get("state") in states)
                  if c.get("device_seconds")]
         if not costs:
             return None, None
@@ -86,20 +86,23 @@ class Budget:
                 statistics.median(c.get("trial_seconds", 0.0) for c in costs))
 
     # -- what may start ----------------------------------------------------------------------------------------
-    def allows(self) -> bool:
-        """Whether another trial may start: spent + what the running trials are still expected to spend leaves part
-        of the device budget, and a trial started now would end before the wall-clock limit."""
+    def allows(self, reserve: int = 0, at_once: int = 1) -> bool:
+        """Whether another trial may start: spent + what the running trials are still expected to spend + ``reserve``
+        trials run to their end (the confirmation's share) leaves part of the device budget, and a trial started
+        now, and the reserved ones after it (``at_once`` at a time), would end before the wall-clock limit."""
         if not self.limited:
             return True
         device, wall = self.per_trial()
-        if self.wall_s is not None and self.wall_spent() + (wall or 0.0) > self.wall_s:
+        full_device, full_wall = self.per_trial(("COMPLETE",))
+        rounds = -(-reserve // max(at_once, 1))
+        if self.wall_s is not None and self.wall_spent() + (wall or 0.0) + rounds * (full_wall or 0.0) > self.wall_s:
             return False
         if self.device_s is None:
             return True
         now = time.time()
         running = [e for e in self.manifest.trials.values() if e.get("state") not in FINAL]
         committed = sum(max((device or 0.0) - self.trial_spent(e, now), 0.0) for e in running)
-        return self.device_spent() + committed < self.device_s
+        return self.device_spent() + committed + reserve * (full_device or device or 0.0) < self.device_s
 
     def record(self) -> dict[str, Any]:
         """``sweep.json``'s ``budget``: the limits, what was spent, what is left."""

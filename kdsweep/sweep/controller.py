@@ -21,8 +21,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kdsweep.metrics.records import JOB_STARTED, SHARED_THREADS, failure_line
+from kdsweep.sweep import confirm
 from kdsweep.sweep.budget import Budget
 from kdsweep.sweep.cost import cost_lines, sweep_cost
+from kdsweep.sweep.local import LocalProcesses
 from kdsweep.sweep.manifest import FINAL, STORAGE_ENV, Manifest, connect_url
 from kdsweep.sweep.space import Param
 from kdsweep.sweep.study import SweepSettings, make_pruner, make_sampler, make_storage
@@ -48,76 +50,6 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """The sweep is over (no trial runs): release what the backend holds (warm workers leave)."""
-
-
-class LocalProcesses:
-    """Trials as local processes (``hydra/launcher=basic``); each job may spawn its own ranks."""
-
-    def __init__(self, max_concurrent: int) -> None:
-        self._procs: dict[int, subprocess.Popen] = {}
-        # Concurrent trials share the machine's cores: without a cap each would start a thread per core, and
-        # oversubscribed OpenMP threads spin against each other (seen here: 2-step trials taking 10x longer).
-        self._env = {k: v for k, v in os.environ.items() if k != JOB_STARTED}  # each trial counts from its own start
-        self._env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // max_concurrent)))
-
-    def env(self, alone: bool = False) -> dict[str, str]:
-        """A trial's environment: its share of the cores, or, for a trial running ``alone`` (the teacher pass
-        before the others start), every core for the pass and its share after it. OMP_NUM_THREADS, when the
-        user set it, is kept either way."""
-        env = {**self._env, STORAGE_ENV: os.environ[STORAGE_ENV]}
-        if alone and "OMP_NUM_THREADS" not in os.environ:
-            env.update(OMP_NUM_THREADS=str(len(os.sched_getaffinity(0))), **{SHARED_THREADS: env["OMP_NUM_THREADS"]})
-        return env
-
-    def start(self, args: list[str], run_dir: Path, alone: bool = False) -> dict[str, Any]:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        with open(run_dir / "job.log", "ab") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "kdsweep", *args], stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True, env=self.env(alone))
-        self._procs[proc.pid] = proc
-        return {"pid": proc.pid, "started": _proc_start(proc.pid), "logs": [str(run_dir / "job.log")]}
-
-    def poll(self, job: dict[str, Any]) -> int | None | str:
-        proc = self._procs.get(job["pid"])
-        if proc is not None:
-            return proc.poll()
-        # A job started by an earlier controller (resume): not our child, so only liveness can be seen, and the
-        # process must be the one started then (a pid can be reused by another process once it ended).
-        stat = _proc_stat(job["pid"])
-        if stat is None or stat[0] == "Z" or (job.get("started") is not None and stat[19] != job["started"]):
-            return "gone"
-        return None
-
-    def find(self, args: list[str], run_dir: Path) -> dict[str, Any] | None:
-        """A live ``python -m kdsweep`` process of this trial (its command names the trial's run directory)."""
-        marker = f"hydra.run.dir={run_dir}".encode()
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                argv = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if marker in argv and b"kdsweep" in argv and (stat := _proc_stat(int(entry.name))) and stat[0] != "Z":
-                return {"pid": int(entry.name), "started": stat[19], "logs": [str(run_dir / "job.log")]}
-        return None
-
-    def close(self) -> None:
-        pass
-
-
-def _proc_stat(pid: int) -> list[str] | None:
-    """The fields of /proc/<pid>/stat after the command name (state first; [19] is the start time), or None."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-
-
-def _proc_start(pid: int) -> str | None:
-    stat = _proc_stat(pid)
-    return stat[19] if stat else None
 
 
 @dataclass
@@ -205,6 +137,7 @@ class Controller:
         )
         self.distributions = {p.key: p.distribution() for p in space}
         self.budget, self._wall_saved = Budget(self.manifest, settings.budget, settings.wall_hours), 0.0
+        self.confirm = settings.confirmation
         self.start_failures = 0
         # teacher.logits=cache: one trial builds the cache (or finds it) before the others start (see _slots)
         self.cache_ready, self._gate_logged = not teacher_cache, False
@@ -212,6 +145,42 @@ class Controller:
             for point in settings.enqueue:
                 self.study.enqueue_trial(dict(point))
         self._adopt_orphans()
+
+    # -- the search, then its confirmation -----------------------------------------------------------------
+    def _search_trials(self) -> list[dict[str, Any]]:
+        return [e for e in self.manifest.trials.values() if not e.get("confirm")]
+
+    def _search_may_ask(self) -> bool:
+        if "confirmation" in self.manifest.data:
+            return False
+        reserve = self.confirm.trials if self.confirm else 0
+        return (len(self._search_trials()) < self.settings.trial_limit
+                and self.budget.allows(reserve, self.settings.max_concurrent))
+
+    def _confirmation_item(self) -> dict[str, Any] | None:
+        """The next confirmation trial to ask: the plan is made once no search trial runs (and none may start)."""
+        if self.confirm is None:
+            return None
+        if "confirmation" not in self.manifest.data:
+            if any(e["state"] not in FINAL for e in self._search_trials()):
+                return None
+            self.manifest.data["confirmation"] = confirm.plan(
+                self._search_trials(), self.confirm, self.settings.objectives, self.settings.directions)
+            self.manifest.save()
+            points = self.manifest.data["confirmation"]["points"]
+            log.info("confirmation: %d points (%s) × %d seeds", len(points),
+                     ", ".join(p["label"] for p in points), self.confirm.seeds)
+        return confirm.next_item(self.manifest.data["confirmation"], list(self.manifest.trials.values()))
+
+    def _verdict(self) -> None:
+        if "confirmation" not in self.manifest.data:
+            return
+        verdict = confirm.verdict(self.manifest.data["confirmation"], list(self.manifest.trials.values()),
+                                  self.settings.objectives)
+        self.manifest.data["verdict"] = verdict
+        self.study.set_user_attr("verdict", verdict["line"])  # optuna-dashboard shows the study's user attributes
+        self.study.set_user_attr("confirmation", json.loads(json.dumps(verdict["points"], default=str)))
+        log.info("verdict: %s", verdict["line"])
 
     def _adopt_orphans(self) -> None:
         """Trials the study has but the manifest does not: a controller died between ask and saving the trial, so
@@ -223,13 +192,14 @@ class Controller:
             if str(t.number) not in self.manifest.trials:
                 trial = Trial(self.study, t._trial_id)
                 params = {name: trial._suggest(name, d) for name, d in self.distributions.items()}  # sampled ones stay
-                self._save_asked(t.number, t._trial_id, params)
+                self._save_asked(t.number, t._trial_id, params, t.user_attrs.get("confirm"))
                 log.warning("trial %d was asked but never started (the controller died): starting it now", t.number)
 
     # -- one trial ---------------------------------------------------------------------------------------
-    def _args(self, number: int, params: dict[str, Any]) -> list[str]:
+    def _args(self, number: int, params: dict[str, Any], item: dict[str, Any] | None = None) -> list[str]:
         run_dir = self.sweep_dir / str(number)
-        return [*self.base, *(f"{k}={v}" for k, v in params.items()), f"trial.sweep_dir={self.sweep_dir}",
+        seed = [f"train.seed={item['seed']}"] if item else []  # a confirmation trial's own training seed
+        return [*self.base, *(f"{k}={v}" for k, v in params.items()), *seed, f"trial.sweep_dir={self.sweep_dir}",
                 f"trial.number={number}", f"trial.study={self.settings.study_name}", f"hydra.run.dir={run_dir}"]
 
     def _start(self, number: int) -> None:
@@ -257,15 +227,23 @@ class Controller:
         crash_point("after_write", number)
         log.info("trial %d started (%s): %s", number, job_name(job), " ".join(f"{k}={v}" for k, v in entry["params"].items()))
 
-    def _save_asked(self, number: int, trial_id: int, params: dict[str, Any]) -> None:
+    def _save_asked(self, number: int, trial_id: int, params: dict[str, Any], item: dict[str, Any] | None = None) -> None:
         run_dir = self.sweep_dir / str(number)
-        self.manifest.put(number, params=params, args=self._args(number, params), run_dir=str(run_dir),
-                          state="ASKED", attempts=0)
+        self.manifest.put(number, params=params, args=self._args(number, params, item), run_dir=str(run_dir),
+                          state="ASKED", attempts=0, **({"confirm": item} if item else {}))
         self.study._storage.set_trial_user_attr(trial_id, "run_dir", str(run_dir))
 
-    def _ask_and_start(self) -> None:
+    def _ask_and_start(self, item: dict[str, Any] | None = None) -> None:
+        """Ask the sampler for a point; or, for a confirmation ``item``, ask the trial of its point and seed (put in
+        the study's queue first, unless a controller that died after queueing it left it there)."""
+        from optuna.trial import TrialState
+
+        if item is not None and not self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+            point = next(p for p in self.manifest.data["confirmation"]["points"] if p["label"] == item["label"])
+            self.study.enqueue_trial(point["params"], user_attrs={"confirm": item})
         trial = self.study.ask(self.distributions)
-        self._save_asked(trial.number, trial._trial_id, trial.params)
+        item = trial.user_attrs.get("confirm", item)
+        self._save_asked(trial.number, trial._trial_id, trial.params, item)
         self._start(trial.number)
 
     def _finish(self, number: int, exit_code: int | str) -> None:
@@ -357,15 +335,20 @@ class Controller:
                 if code is not None:
                     self._finish(number, code)
             running = [int(n) for n, e in self.manifest.trials.items() if e["state"] == "RUNNING"]
-            while (len(running) < self._slots(running) and len(self.manifest.trials) < self.settings.trial_limit
-                   and self.budget.allows()):
-                self._ask_and_start()
+            while len(running) < self._slots(running):
+                if self._search_may_ask():
+                    self._ask_and_start()
+                elif (item := self._confirmation_item()) is not None:
+                    self._ask_and_start(item)
+                else:
+                    break
                 running.append(-1)
             if not running:
                 break
             self._keep_wall()
             time.sleep(self.settings.poll_s)
         self.backend.close()
+        self._verdict()
         if self.budget.limited:
             self.manifest.data["budget"] = self.budget.record()
             log.info("budget: %.0f device-s spent of %s", self.manifest.data["budget"]["device_seconds_spent"],
@@ -403,7 +386,8 @@ def summary_lines(manifest: Manifest) -> list[str]:
     """A table of the sweep's trials (state, objective, job, duration, params, output dir), best marked."""
     trials = sorted(manifest.trials.values(), key=lambda e: e["number"])
     signs = [1 if d == "minimize" else -1 for d in manifest.data["settings"]["directions"]]
-    done = [(t["number"], [s * v for s, v in zip(signs, t["values"])]) for t in trials if t["state"] == "COMPLETE"]
+    done = [(t["number"], [s * v for s, v in zip(signs, t["values"])]) for t in trials
+            if t["state"] == "COMPLETE" and not t.get("confirm")]  # the search's best; the verdict is the confirmation's
     # the best trial; with several objectives, every trial no other one beats on all of them (the Pareto front)
     front = {n for n, v in done if not any(w != v and all(a <= b for a, b in zip(w, v)) for _, w in done)}
     best = {min(done, key=lambda d: d[1])[0]} if done and len(signs) == 1 else front
@@ -415,10 +399,13 @@ def summary_lines(manifest: Manifest) -> list[str]:
         duration = "-" if seconds is None else f"{seconds:.0f}s" if seconds < 600 else f"{seconds / 60:.0f}m"
         mark = tag if t["number"] in best else ""
         params = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in t["params"].items())
+        if t.get("confirm"):
+            params += f" [confirm {t['confirm']['label']} seed {t['confirm']['seed']}]"
         lines.append(f"{t['number']:>5}  {t['state']:<8} {objective:>10}  {job_name(t.get('job')):<12} {duration:>6}  "
                      f"{params}  ({t['run_dir']}){mark}"
                      + (f"  ({t['reason']})" if t.get("reason") and t["state"] == "FAIL" else ""))
-    return lines
+    verdict = manifest.data.get("verdict")
+    return lines + ([f"verdict: {verdict['line']}"] if verdict else [])
 
 
 __all__ = ["Controller", "LocalProcesses", "judge", "summary_lines", "FINAL"]

@@ -30,7 +30,8 @@ class TrialHandle:
         trial_id = storage.get_trial_id_from_study_id_trial_number(study._study_id, number)
         self.trial = optuna.trial.Trial(study, trial_id)
         self.number = number
-        self.can_prune = not settings.multi_objective  # Optuna cannot prune multi-objective trials
+        # Optuna cannot prune multi-objective trials; a confirmation trial runs to its end
+        self.can_prune = not settings.multi_objective and not manifest.trials.get(str(number), {}).get("confirm")
         self.objective = settings.objectives[0]
 
     def report(self, step: int, evals: dict[str, float]) -> bool:

@@ -43,6 +43,10 @@ class SweepSettings:
     wall_hours: float | None = None
     """Wall-clock hours of the search (every controller's run, a resume included): no trial starts that would end
     after it."""
+    confirm: dict[str, Any] | None = None
+    """``{top: k, seeds: s}`` (and ``objective`` for a study of several; top 0 or None: none): after the search, its k best points and
+    the CE-only baseline are trained again with s fresh seeds, and the sweep reports a verdict with 95% intervals
+    (kdsweep.sweep.confirm). A budget reserves their share. None: no confirmation."""
     max_concurrent: int = 2
     sampler: str = "tpe"
     seed: int | None = 0
@@ -94,6 +98,7 @@ class SweepSettings:
         _check(self.workers is None or self.workers >= 0,
                f"hydra.sweeper.workers={self.workers} must be >= 0 (0: one job per trial; null: one worker per slot)")
         _check(self.worker_idle_s > 0, f"hydra.sweeper.worker_idle_s={self.worker_idle_s} must be > 0")
+        self.confirmation  # noqa: B018  (validates hydra.sweeper.confirm)
         _check(0 < self.pruner_percentile < 100, f"hydra.sweeper.pruner_percentile={self.pruner_percentile} must be in (0, 100)")
 
     @classmethod
@@ -120,6 +125,13 @@ class SweepSettings:
         if self.n_trials is not None:
             return self.n_trials
         return float("inf") if self.budget is not None or self.wall_hours is not None else 8
+
+    @property
+    def confirmation(self) -> Any:
+        """``confirm`` validated (a :class:`~kdsweep.sweep.confirm.ConfirmSettings`), or None."""
+        from kdsweep.sweep.confirm import ConfirmSettings
+
+        return ConfirmSettings.of(self.confirm, self.objectives, self.trial_limit)
 
     @property
     def multi_objective(self) -> bool:

@@ -64,23 +64,23 @@ class LocalStarter:
         self.all_cores = cores if "OMP_NUM_THREADS" not in os.environ else None
 
     def launch(self, sweep_dir: Path, name: str) -> dict[str, Any]:
-        from kdsweep.sweep.controller import _proc_stat
+        from kdsweep.sweep.local import proc_stat
 
         env = {**self._env, STORAGE_ENV: os.environ[STORAGE_ENV]}
         with open(worker_dir(sweep_dir, name) / "worker.log", "ab") as out:
             proc = subprocess.Popen([sys.executable, "-m", "kdsweep.worker", str(sweep_dir), name], stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True, env=env)
         self._procs[proc.pid] = proc
-        stat = _proc_stat(proc.pid)
+        stat = proc_stat(proc.pid)
         return {"pid": proc.pid, "started": stat[19] if stat else None}
 
     def alive(self, info: dict[str, Any]) -> bool:
-        from kdsweep.sweep.controller import _proc_stat
+        from kdsweep.sweep.local import proc_stat
 
         proc = self._procs.get(info.get("pid"))
         if proc is not None:
             return proc.poll() is None
-        stat = _proc_stat(info["pid"]) if "pid" in info else None  # a worker an earlier controller started
+        stat = proc_stat(info["pid"]) if "pid" in info else None  # a worker an earlier controller started
         return stat is not None and stat[0] != "Z" and stat[19] == info.get("started")
 
     def reap(self, info: dict[str, Any]) -> None:

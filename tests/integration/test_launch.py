@@ -308,10 +308,10 @@ def test_the_empty_search_space_hint_works_as_typed(tmp_path, zoo_dirs):
 
 
 def test_a_reused_pid_is_not_mistaken_for_the_trial(tmp_path):
-    from kdsweep.sweep.controller import LocalProcesses, _proc_start
+    from kdsweep.sweep.local import LocalProcesses, proc_start
 
     backend = LocalProcesses(1)
-    me = {"pid": os.getpid(), "started": _proc_start(os.getpid())}
+    me = {"pid": os.getpid(), "started": proc_start(os.getpid())}
     assert backend.poll(me) is None  # alive, and the process that was started
     assert backend.poll({**me, "started": "1"}) == "gone"  # the same pid, another process: the trial's ended
     assert shutil.which("unshare") is not None  # the unshared-directory test needs it (util-linux)

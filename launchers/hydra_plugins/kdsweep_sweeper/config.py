@@ -7,6 +7,15 @@ from hydra.core.config_store import ConfigStore
 
 
 @dataclass
+class ConfirmConf:
+    """``hydra.sweeper.confirm`` (kdsweep.sweep.confirm): top 0 is no confirmation."""
+
+    top: int = 0
+    seeds: int = 3
+    objective: Optional[str] = None
+
+
+@dataclass
 class KdsweepOptunaConf:
     _target_: str = "hydra_plugins.kdsweep_sweeper.sweeper.KdsweepOptunaSweeper"
     study_name: str = "kdsweep"
@@ -14,6 +23,7 @@ class KdsweepOptunaConf:
     n_trials: Optional[int] = None
     budget: Optional[float] = None
     wall_hours: Optional[float] = None
+    confirm: ConfirmConf = field(default_factory=lambda: ConfirmConf())
     max_concurrent: int = 2
     sampler: str = "tpe"
     seed: Optional[int] = 0
