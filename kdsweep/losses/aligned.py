@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from kdsweep.losses.cross_tokenizer import VocabMap, gold, merge, uld, uld_scale
 from kdsweep.losses.divergences import USES_BETA, log_probs, token_log_probs, upcast
+from kdsweep.losses.blocks import block_scores
 from kdsweep.losses.targets import cuts_avoiding
 
 
@@ -232,21 +233,22 @@ class Aligned:
         return [last - head for head, last in self.extent]
 
     # -- the loss ----------------------------------------------------------------------------------------------
-    def _merged(self, log_q: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each span's merged distribution: the student's from ``log_q``, the teacher's at ``temperature``."""
-        spans = len(self.extent)
-        cont_q = log_q[self.cont].gather(-1, self.cont_token.long().unsqueeze(-1)).squeeze(-1)
-        c_s = log_q.new_zeros(spans).index_add(0, self.cont_span, cont_q)
-        c_t = self.teacher.cont_logp(temperature)
-        return merge(log_q[self.head], c_s), merge(self.teacher.head_log_probs(temperature), c_t)
-
     def _score(self, log_q: torch.Tensor, divergence: str, beta: float, temperature: float) -> torch.Tensor:
-        q, p = self._merged(log_q, temperature)
+        """Each span's term at its head position from the student's ``log_q``, a block of spans at a time
+        (:mod:`~kdsweep.losses.blocks`): both sides' merged distributions, the teacher's at ``temperature``."""
         scale = uld_scale(divergence, temperature)  # the loss's factor is the divergence's; ULD's part carries T
-        if self.loss == "uld":
-            per_span = scale * uld(q, p)
-        else:
-            per_span = gold(q, p, self.vocab_map, divergence, beta, self.w_matched, self.w_unmatched, scale)
+
+        def score(first: int, count: int, rows: torch.Tensor, c_s: torch.Tensor) -> torch.Tensor:
+            teacher = self.teacher.select(first, count)
+            q = merge(rows, c_s)
+            p = merge(teacher.head_log_probs(temperature), teacher.cont_logp(temperature))
+            if self.loss == "uld":
+                return scale * uld(q, p)
+            return gold(q, p, self.vocab_map, divergence, beta, self.w_matched, self.w_unmatched, scale)
+
+        vocab = max(log_q.shape[-1], self.vocab_map.teacher_vocab if self.vocab_map is not None else 0)
+        cont_at = list(itertools.accumulate(self.cont_count, initial=0))
+        per_span = block_scores(log_q, self.head, self.cont, self.cont_token, self.cont_span, cont_at, vocab, score)
         return log_q.new_zeros(self.n, dtype=per_span.dtype).index_put((self.head,), per_span)
 
     def divergence(self, log_q: torch.Tensor, divergence: str, beta: float, temperature: float) -> torch.Tensor:

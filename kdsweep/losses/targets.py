@@ -33,6 +33,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 import torch.nn.functional as F
 
+from kdsweep.losses.blocks import row_scores
 from kdsweep.losses.divergences import divergence_per_token, finite_teacher, forward_kl, log_probs, upcast
 
 SAMPLED_DIVERGENCES = ("forward_kl",)
@@ -115,6 +116,8 @@ class Logits:
     logits: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
     head: Callable[[torch.Tensor], torch.Tensor] | None = None
+    rows: int | None = None
+    """The teacher's output rows, with ``hidden``: its vocabulary, known without projecting anything."""
     kl_temperature: float = 1.0
     """The temperature of the logged KL: 1, since logits give the distribution at any temperature."""
     exact = True
@@ -140,12 +143,12 @@ class Logits:
         """Chunks of these token lengths (every kind: a mixture splits its teachers' targets alike)."""
         if self.logits is not None:
             return [Logits(logits=c) for c in torch.split(self.logits, sizes, dim=0)]
-        return [Logits(hidden=c, head=self.head) for c in torch.split(self.hidden, sizes, dim=0)]
+        return [Logits(hidden=c, head=self.head, rows=self.rows) for c in torch.split(self.hidden, sizes, dim=0)]
 
     @property
     def vocab(self) -> int:
         """The teacher's vocabulary (its output rows, padding included)."""
-        return self.dense(None).shape[-1]
+        return self.rows if self.logits is None and self.rows is not None else self.dense(None).shape[-1]
 
     def dense(self, vocab: int | None) -> torch.Tensor:
         """``[n, vocab]`` logits, the teacher's rows beyond ``vocab`` cut (a padded output layer)."""
@@ -157,13 +160,28 @@ class Logits:
     def log_probs(self, vocab: int, temperature: float) -> torch.Tensor:
         return finite_teacher(log_probs(self.dense(vocab), temperature))
 
+    def _block_log_probs(self, first: int, count: int, vocab: int, temperature: float) -> torch.Tensor:
+        """Rows ``first`` … ``first + count − 1`` of :meth:`log_probs` (hidden states: only those rows projected)."""
+        if self.logits is not None:
+            return finite_teacher(log_probs(self.logits[first:first + count, :vocab], temperature))
+        with torch.no_grad():
+            return finite_teacher(log_probs(self.head(self.hidden[first:first + count])[..., :vocab], temperature))
+
     def divergence(self, log_q: torch.Tensor, divergence: str, beta: float, temperature: float) -> torch.Tensor:
-        """``[n]`` D(teacher_T, student_T) from the student's log-probs at T ``[n, V]``."""
-        return divergence_per_token(divergence, log_q, self.log_probs(log_q.shape[-1], temperature), beta=beta)
+        """``[n]`` D(teacher_T, student_T) from the student's log-probs at T ``[n, V]``, a block of rows at a time
+        (:mod:`~kdsweep.losses.blocks`: the teacher's rows and the divergence's terms of one block exist at once)."""
+        if self.logits is not None and self.logits.requires_grad and torch.is_grad_enabled():
+            raise ValueError("the teacher's logits require grad: the KD loss differentiates the student only "
+                             "(compute them under torch.no_grad(), or pass teacher.detach())")
+        v = log_q.shape[-1]
+        return row_scores(log_q, max(v, self.vocab), lambda first, count, rows: divergence_per_token(
+            divergence, rows, self._block_log_probs(first, count, v, temperature), beta=beta))
 
     def kl(self, log_q: torch.Tensor) -> torch.Tensor:
         """``[n]`` KL(teacher ‖ student) at :attr:`kl_temperature` from the student's log-probs there."""
-        return forward_kl(log_q, self.log_probs(log_q.shape[-1], self.kl_temperature))
+        v = log_q.shape[-1]
+        return row_scores(log_q, max(v, self.vocab), lambda first, count, rows: forward_kl(
+            rows, self._block_log_probs(first, count, v, self.kl_temperature)))
 
     def kl_is(self, divergence: str, beta: float, temperature: float) -> bool:
         return divergence == "forward_kl" and temperature == self.kl_temperature

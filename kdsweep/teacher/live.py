@@ -10,7 +10,7 @@ from torch import nn
 
 from kdsweep.data.batch import Batch
 from kdsweep.losses.targets import Logits
-from kdsweep.models.heads import frozen_hidden, frozen_projection
+from kdsweep.models.heads import frozen_hidden, frozen_projection, output_layer
 from kdsweep.teacher.source import TeacherSource
 
 
@@ -32,4 +32,4 @@ class LiveTeacher(TeacherSource):
             yield Logits(logits=out)
             return
         with frozen_projection(self.model) as head:
-            yield Logits(hidden=out, head=head)
+            yield Logits(hidden=out, head=head, rows=output_layer(self.model).weight.shape[0])

@@ -341,7 +341,9 @@ def test_gradcheck_float64(divergence, beta, temperature):
     def per_token(ls_, lt_):
         return divergence_per_token(divergence, ls_, lt_, beta=beta)
 
-    assert torch.autograd.gradcheck(loss, (s, t))
+    assert torch.autograd.gradcheck(lambda s_: loss(s_, t.detach()), (s,))  # the loss differentiates the student
+    with pytest.raises(ValueError, match="the teacher's logits require grad"):
+        loss(s, t)
     log_ps, log_pt = (torch.log_softmax(x, -1).detach().requires_grad_() for x in (s, t))
     assert torch.autograd.gradcheck(per_token, (log_ps, log_pt))
 

@@ -132,3 +132,36 @@ def test_logged_kl_is_the_temperature_one_kl_and_carries_no_gradient(temperature
     _, kl_t1, _ = reference(s.detach(), t, y, 1.0)
     assert sums.kl.item() == pytest.approx(kl_t1.item(), rel=1e-5)
     assert not sums.kl.requires_grad
+
+
+@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd", "tvd"])
+@pytest.mark.parametrize("rows_per_block", [1, 3])
+def test_rows_scored_in_blocks_match_the_dense_reference_in_value_and_gradient(divergence, rows_per_block,
+                                                                               monkeypatch):
+    """The divergence runs a block of rows at a time, each block differentiated at once (kdsweep.losses.blocks),
+    the teacher's rows projected per block from its hidden states; values and gradients are the dense ones."""
+    import kdsweep.losses.blocks as blocks
+    from kdsweep.losses import divergence_per_token
+    from kdsweep.losses.targets import Logits
+
+    n, v, h = 11, 13, 5
+    s, _, y = ragged(n, v, 3)
+    g = torch.Generator().manual_seed(4)
+    hidden, weight = torch.randn(n, h, generator=g, dtype=torch.float64), torch.randn(v + 2, h, generator=g, dtype=torch.float64)
+    s = s.double()
+    projected = []
+    head = lambda x: projected.append(len(x)) or x @ weight.T  # noqa: E731  (a padded teacher: v + 2 rows)
+    monkeypatch.setattr(blocks, "BLOCK_ELEMENTS", rows_per_block * (v + 2))
+    leaf = s.clone().requires_grad_()
+    sums = kd_loss_sums(leaf, Logits(hidden=hidden, head=head, rows=v + 2), y, divergence=divergence,
+                        temperature=1.5, num_chunks=2)
+    sums.kd.backward()
+    assert projected and max(projected) == rows_per_block  # never more than one block's teacher rows
+    ref = s.clone().requires_grad_()
+    valid = y != IGNORE
+    log_t = torch.log_softmax((hidden @ weight.T)[:, :v] / 1.5, -1)
+    kd = (divergence_per_token(divergence, torch.log_softmax(ref / 1.5, -1), log_t) * valid).sum()
+    kd = kd * (1.5 if divergence == "tvd" else 1.5**2)
+    kd.backward()
+    assert sums.kd.item() == pytest.approx(kd.item(), rel=1e-12)
+    assert torch.allclose(leaf.grad, ref.grad, rtol=1e-10, atol=1e-13)

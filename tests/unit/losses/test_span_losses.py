@@ -338,11 +338,66 @@ def test_the_logged_distance_is_the_loss_term_computed_once_when_their_settings_
                        vocab_map=VocabMap.of(PAIRS, VS, VT), kl_divergence="forward_kl")
     s_logits = rand(B, T, VS, seed=11)
     scored = []
-    real_merged = aligned.Aligned._merged
-    monkeypatch.setattr(aligned.Aligned, "_merged", lambda self, *a: scored.append(1) or real_merged(self, *a))
+    real_score = aligned.Aligned._score
+    monkeypatch.setattr(aligned.Aligned, "_score", lambda self, *a: scored.append(1) or real_score(self, *a))
     sums = kd_loss_sums(s_logits, built.targets, labels, divergence=divergence, temperature=temperature,
                         ignore_index=IGNORE, num_chunks=1)
     assert len(scored) == (1 if once else 2)
     valid = (labels != IGNORE).reshape(-1)
     want = torch.where(valid, built.targets.kl(log_probs(s_logits.reshape(-1, VS))), 0.0).sum()
     assert sums.kl.item() == pytest.approx(want.item(), rel=1e-12)
+
+
+@pytest.mark.parametrize("loss", ["gold", "uld"])
+@pytest.mark.parametrize("rows_per_block", [1, 2, 4])
+def test_spans_scored_in_blocks_give_one_block_s_terms_and_gradients(loss, rows_per_block, monkeypatch):
+    """Each block of spans is differentiated before the next one runs (kdsweep.losses.blocks); a span's term
+    and gradient are its own whatever the block, and backward weighs each span by its own upstream gradient (the
+    weights here differ per position, as a mask and a mixture's would)."""
+    import kdsweep.losses.blocks as blocks
+
+    ids, labels, t_ids, t_logits, spans = cross_case()
+    built = targets_of(spans, reads_of(ids, 6), labels, t_ids, t_logits, student_vocab=VS, loss=loss,
+                       vocab_map=VocabMap.of(PAIRS, VS, VT))
+    weights = rand(B * T, seed=8)
+
+    def terms(elements):
+        monkeypatch.setattr(blocks, "BLOCK_ELEMENTS", elements)
+        log_q = log_probs(rand(B, T, VS, seed=7).reshape(-1, VS)).detach().requires_grad_()
+        d = built.targets.divergence(log_q, "forward_kl", 0.5, 1.0)
+        (d * weights).sum().backward()
+        return d.detach(), log_q.grad
+
+    def plain():  # the same terms by autograd through every span at once, as written in cross_tokenizer
+        t = built.targets
+        log_q = log_probs(rand(B, T, VS, seed=7).reshape(-1, VS)).detach().requires_grad_()
+        cont_q = log_q[t.cont].gather(-1, t.cont_token.long().unsqueeze(-1)).squeeze(-1)
+        c_s = log_q.new_zeros(len(t.head)).index_add(0, t.cont_span, cont_q)
+        q, p = merge(log_q[t.head], c_s), merge(t.teacher.head_log_probs(1.0), t.teacher.cont_logp(1.0))
+        per_span = uld(q, p) if loss == "uld" else gold(q, p, t.vocab_map)
+        d = log_q.new_zeros(B * T).index_put((t.head,), per_span)
+        (d * weights).sum().backward()
+        return d.detach(), log_q.grad
+
+    want_d, want_g = plain()
+    one_d, one_g = terms(10**9)
+    blocked_d, blocked_g = terms(rows_per_block * VT)  # rows_per_block spans per block
+    assert blocks.block_rows(VT) == rows_per_block
+    assert torch.equal(blocked_d, one_d) and torch.allclose(blocked_g, one_g, rtol=1e-12, atol=1e-15)
+    assert torch.allclose(one_d, want_d, rtol=1e-12, atol=1e-15)
+    assert torch.allclose(one_g, want_g, rtol=1e-10, atol=1e-13)
+    assert want_g.abs().sum() > 0 and (one_d != 0).sum() == built.spans
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_cpu_sort_gives_torch_s_values_and_an_order_that_reads_them(dtype):
+    from kdsweep.losses.cross_tokenizer import sort_decreasing
+
+    x = torch.softmax(rand(4, 3001, seed=9).to(dtype), -1)
+    x[0, :10] = x[0, 10]  # ties
+    want = x.sort(dim=-1, descending=True).values
+    values, none = sort_decreasing(x)
+    assert none is None and values.dtype == dtype and torch.equal(values, want)
+    values, order = sort_decreasing(x, with_order=True)
+    assert torch.equal(values, want) and torch.equal(x.gather(-1, order), want)
+    assert torch.equal(order.sort(-1).values, torch.arange(3001).expand(4, -1))  # a permutation of each row
