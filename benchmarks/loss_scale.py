@@ -15,7 +15,8 @@ a Qwen3 teacher (hidden 128, 151,936 output rows). Each arm is one ``python -m k
   activations, optimizer) with no KD loss path, which every arm's peak is compared with.
 
 Reported per arm: the peak resident memory of the job's trial (``peak_mem_mb`` of its train rows: ``VmHWM`` from the
-trial's start, models loaded, evaluations included), the median ``step_s`` over its steps after the first, and the
+trial's start, models loaded, evaluations included), the job's whole-life peaks of anonymous and file-backed
+resident memory (``rss_anon_peak_mb``, ``rss_file_peak_mb``: a memory-mapped cache's pages are file-backed), the median ``step_s`` over its steps after the first, and the
 peak above ``ce_only``'s, in units of one ``[chunk, V]`` fp32 buffer (chunk = tokens / ``loss.num_chunks``, V the
 larger vocabulary). Ratios: each cross-tokenizer arm's time over the same-tokenizer live arm's of its loss kind,
 each fused arm's over its chunked twin's. A second size (``--tokens 2048 8192``) repeats the arms (``--arms`` picks).
@@ -116,9 +117,14 @@ def job(arm: str, tokens: int, steps: int, threads: int, work: Path, models: Pat
         "logger=quiet", f"hydra.run.dir={run_dir}"]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "KDSWEEP_CACHE": str(work / "cache"), "PYTHONPATH": str(REPO)}
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "kdsweep", *overrides], capture_output=True, text=True, env=env)
+    log = run_dir.parent / f"{run_dir.name}.log"
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "kdsweep", *overrides], stdout=out, stderr=subprocess.STDOUT,
+                                text=True, env=env)
+        rss = resident_peaks(proc)
     if proc.returncode != 0:
-        return {"error": (proc.stdout + proc.stderr).strip().splitlines()[-1][:400]}
+        return {"error": log.read_text().strip().splitlines()[-1][:400]}
     record = json.loads((run_dir / "run.json").read_text())
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["kind"] == "train"]
@@ -126,7 +132,26 @@ def job(arm: str, tokens: int, steps: int, threads: int, work: Path, models: Pat
     return {"peak_mem_mb": max(r["peak_mem_mb"] for r in train), "step_s": statistics.median(r["step_s"] for r in train[1:]),
             "steps_s": [r["step_s"] for r in train], "objective": record["objective"], "wall_s": time.perf_counter() - t0,
             "cache_bytes_per_position": targets.get("bytes_per_position"),
-            "teacher_tokens_computed": record["cost"]["teacher_tokens_computed"]}
+            "teacher_tokens_computed": record["cost"]["teacher_tokens_computed"], **rss}
+
+
+def resident_peaks(proc: subprocess.Popen) -> dict[str, int]:
+    """The job's peak anonymous and file-backed resident memory over its whole life (MB), sampled every 50 ms
+    until it exits: a memory-mapped cache's pages count in VmHWM (``peak_mem_mb``) but are file pages the kernel
+    can drop, not memory the job allocated (RssFile, not RssAnon)."""
+    peaks = {"rss_anon_peak_mb": 0, "rss_file_peak_mb": 0}
+    while proc.poll() is None:
+        try:
+            status = Path(f"/proc/{proc.pid}/status").read_text().splitlines()
+        except OSError:
+            break
+        fields = dict(line.split(":", 1) for line in status if ":" in line)
+        for key, name in (("rss_anon_peak_mb", "RssAnon"), ("rss_file_peak_mb", "RssFile")):
+            if name in fields:
+                peaks[key] = max(peaks[key], int(fields[name].split()[0]) // 1024)
+        time.sleep(0.05)
+    proc.wait()
+    return peaks
 
 
 def main() -> None:
@@ -176,7 +201,8 @@ def main() -> None:
         for arm, r in s["arms"].items():
             if "error" not in r:
                 print(f"  {arm:<24} peak {r['peak_mem_mb']:8.0f} MB  (+{r.get('above_ce_only_buffers', 0):5.1f} buffers)  "
-                      f"{r['step_s']:6.2f} s/step")
+                      f"{r['step_s']:6.2f} s/step  (whole job: anon {r.get('rss_anon_peak_mb', 0)} MB, "
+                      f"file {r.get('rss_file_peak_mb', 0)} MB)")
         print("  cross / same tokenizer:", {k: v and round(v, 2) for k, v in s["cross_over_same_tokenizer"].items()})
         print("  fused / chunked:", {k: v and round(v, 2) for k, v in s["fused_over_chunked"].items()})
     print(f"results: {args.out}")

@@ -64,6 +64,8 @@ class _BlockScores(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         grad_rows, grad_cont, head, cont, cont_token, cont_span = ctx.saved_tensors
+        if len(cont) == 0 and tuple(grad_rows.shape) == tuple(ctx.shape):  # row_scores: every row in order
+            return grad_rows * grad.unsqueeze(-1).to(grad_rows.dtype), None, None, None, None, None, None, None
         out = grad_rows.new_zeros(ctx.shape)
         out[head] = grad_rows * grad.unsqueeze(-1).to(grad_rows.dtype)
         out.index_put_((cont, cont_token.long()), grad_cont * grad[cont_span].to(grad_cont.dtype), accumulate=True)
