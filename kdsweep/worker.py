@@ -185,7 +185,8 @@ class Worker:
         run_dir.mkdir(parents=True, exist_ok=True)
         # the first trial counts the worker's start-up (cold), the next ones from the moment they were picked up
         os.environ[JOB_STARTED] = str(self.started if self.cold else time.time())
-        os.environ[WORKER] = f"{self.name}:{self.trials_run}:{'cold' if self.cold else 'warm'}"
+        boot = time.time() - self.started if self.cold else 0.0
+        os.environ[WORKER] = f"{self.name}:{self.trials_run}:{'cold' if self.cold else 'warm'}:{boot:.3f}"
         self.cold = False
         threads = torch.get_num_threads()
         torch.set_num_threads(task.get("threads") or threads)

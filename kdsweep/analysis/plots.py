@@ -240,3 +240,33 @@ def pareto_front(sweep: Sweep) -> Figure:
     ax.legend(fontsize="small")
     ax.set_title(f"{sweep.study_name}: Pareto front ({len(front)} of {len(done)} complete trials)")
     return fig
+
+
+def confirmation(sweep: Sweep) -> Figure:
+    """The confirmed points (``hydra.sweeper.confirm``): each seed's objective as a dot, the mean with its 95%
+    interval as a bar, best first, CE-only last; the verdict line as the title."""
+    points = sweep.confirmation()
+    if points.empty:
+        return note("confirmation", "this sweep has no verdict: set hydra.sweeper.confirm (top, seeds) to have "
+                                    "its top points and CE-only trained again with fresh seeds")
+    runs = sweep.trials[sweep.trials["confirm.label"].notna() & (sweep.trials["state"] == "COMPLETE")]
+    column = f"objective.{sweep.manifest['confirmation']['objective']}"
+    fig = Figure(figsize=(7, 1.2 + 0.7 * len(points)), layout="constrained")
+    ax = fig.add_subplot()
+    for y, (_, p) in enumerate(points.iterrows()):
+        seeds = runs[runs["confirm.label"] == p["label"]][column]
+        ax.scatter(seeds, [y] * len(seeds), color="0.45", s=18, zorder=3)
+        ax.errorbar(p["mean"], y, xerr=0.0 if pd.isna(p["ci95"]) else p["ci95"], fmt="o", color="crimson",
+                    capsize=4, zorder=4)
+    labels = [f"{p['label']}: " + " ".join(f"{k}={_short(p[f'param.{k}'])}" for k in sweep.params)
+              for _, p in points.iterrows()]
+    ax.set_yticks(range(len(points)), labels, fontsize="small")
+    ax.invert_yaxis()
+    ax.set_xlabel(f"{column.split('.', 1)[1]} over seeds (mean ± 95%)")
+    ax.grid(alpha=0.3, axis="x")
+    ax.set_title(sweep.verdict, fontsize="small", wrap=True)
+    return fig
+
+
+def _short(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)

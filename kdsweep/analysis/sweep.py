@@ -36,8 +36,8 @@ class Sweep:
     (NaN unless COMPLETE), ``param.<key>``, started/ended (UTC) and duration_s (first start to end, requeues
     included), attempts, the run record's status and steps, pruned_step and last_value (the last value reported
     to the pruner), ``eval_after.<metric>``, reason (FAIL), run_dir, pid or slurm_job_id (a warm worker's trial: its
-    worker, and the worker's SLURM job), host, world_size,
-    wandb_run_id."""
+    worker, and the worker's SLURM job), host, world_size, wandb_run_id, and for a confirmation's re-run its
+    ``confirm.label`` (top1, …, ce_only) and ``confirm.seed`` (NA for the search's trials)."""
     history: pd.DataFrame
     """Every row of every trial's metrics.jsonl, in order: trial, kind (train | eval), step, the metrics."""
     study: Any
@@ -69,7 +69,26 @@ class Sweep:
         return [p["key"] for p in self.space]
 
     def complete(self) -> pd.DataFrame:
-        return self.trials[self.trials["state"] == "COMPLETE"]
+        """The search's COMPLETE trials (a confirmation's re-runs are not the search's: :meth:`confirmation`)."""
+        return self.trials[(self.trials["state"] == "COMPLETE") & self.trials["confirm.label"].isna()]
+
+    @property
+    def verdict(self) -> str | None:
+        """The confirmation's verdict line (``hydra.sweeper.confirm``), or None when the sweep had none (yet)."""
+        return (self.manifest.get("verdict") or {}).get("line")
+
+    def confirmation(self) -> pd.DataFrame:
+        """One row per confirmed point (the search's top points and CE-only): label, ``param.<key>``, seeds (how
+        many completed), mean and ci95 (the 95% half-width over seeds) of the objective it ranks on, and the paired
+        differences to CE-only and to the best point (``vs_ce_only.mean`` / ``.ci95``, ``vs_best.*``), as the
+        verdict computed them; empty without a verdict."""
+        columns = ["label", *(f"param.{k}" for k in self.params), "seeds", "mean", "ci95", "vs_ce_only.mean",
+                   "vs_ce_only.ci95", "vs_best.mean", "vs_best.ci95"]
+        rows = [{"label": p["label"], **{f"param.{k}": p["params"].get(k) for k in self.params},
+                 "seeds": len(p["seeds"]), "mean": p["mean"], "ci95": p["ci95"],
+                 **{f"{ref}.{x}": (p.get(ref) or {}).get(x) for ref in ("vs_ce_only", "vs_best") for x in ("mean", "ci95")}}
+                for p in (self.manifest.get("verdict") or {}).get("points", [])]
+        return pd.DataFrame.from_records(rows, columns=columns)
 
     def best_number(self) -> int | None:
         """The best COMPLETE trial on the first objective (for two objectives: the Pareto trial best on it)."""
@@ -194,6 +213,8 @@ def _trials_frame(sweep_dir: Path, manifest: dict[str, Any], entries: list[dict[
             "last_value": ft.intermediate_values[last_step] if last_step is not None else None,
             **{f"eval_after.{m}": (record.get("eval_after") or {}).get(m) for m in EVAL_METRICS},
             "reason": entry.get("reason") or None,
+            "confirm.label": (entry.get("confirm") or {}).get("label"),
+            "confirm.seed": (entry.get("confirm") or {}).get("seed"),
             "run_dir": str(trial_dir(sweep_dir, entry)),
             "pid": job.get("pid"),
             "slurm_job_id": job.get("slurm_job_id") or ((record.get("environment") or {}).get("slurm") or {}).get("job_id"),
@@ -209,7 +230,7 @@ def _trials_frame(sweep_dir: Path, manifest: dict[str, Any], entries: list[dict[
         frame[column] = pd.to_datetime(frame[column], unit="s", utc=True)
     floats = [c for c in frame.columns if c.startswith(("objective.", "eval_after."))] + ["duration_s", "last_value"]
     frame[floats] = frame[floats].astype(float)
-    for column in ("pruned_step", "steps", "pid", "world_size", "attempts"):
+    for column in ("pruned_step", "steps", "pid", "world_size", "attempts", "confirm.seed"):
         frame[column] = frame[column].astype("Int64")
     return frame
 
@@ -217,7 +238,7 @@ def _trials_frame(sweep_dir: Path, manifest: dict[str, Any], entries: list[dict[
 def _columns(objectives: list[str], keys: list[str]) -> list[str]:
     return ["number", "state", *(f"objective.{o}" for o in objectives), *(f"param.{k}" for k in keys),
             "started", "ended", "duration_s", "attempts", "status", "steps", "pruned_step", "last_value",
-            *(f"eval_after.{m}" for m in EVAL_METRICS), "reason", "run_dir", "pid", "slurm_job_id", "worker", "host",
+            *(f"eval_after.{m}" for m in EVAL_METRICS), "reason", "confirm.label", "confirm.seed", "run_dir", "pid", "slurm_job_id", "worker", "host",
             "world_size", "wandb_run_id", "optuna_state"]
 
 

@@ -69,16 +69,18 @@ def slurm() -> dict[str, str] | None:
 
 
 WORKER = "KDSWEEP_WORKER"
-"""Set by a warm trial worker for each trial it runs: ``<name>:<trials it ran before this one>:<cold|warm>`` (cold:
-the first trial of its process, which pays the process's start)."""
+"""Set by a warm trial worker for each trial it runs: ``<name>:<trials it ran before this one>:<cold|warm>:<boot s>``
+(cold: the first trial of its process, which pays the process's start; boot: the seconds from the worker's start to
+its taking this trial, 0 when warm: the worker's one-time cost, which no later trial pays)."""
 
 
 def worker() -> dict[str, Any] | None:
-    """The warm worker this attempt runs in: its name, the trials it ran before, and whether it started cold."""
+    """The warm worker this attempt runs in: its name, the trials it ran before, whether it started cold, and the
+    worker's own start-up before this trial (``boot_seconds``)."""
     if not os.environ.get(WORKER):
         return None
-    name, before, start = os.environ[WORKER].rsplit(":", 2)
-    return {"name": name, "trials_before": int(before), "start": start}
+    name, before, start, boot = os.environ[WORKER].rsplit(":", 3)
+    return {"name": name, "trials_before": int(before), "start": start, "boot_seconds": float(boot)}
 
 
 def environment() -> dict[str, Any]:

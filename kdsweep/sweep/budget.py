@@ -4,7 +4,8 @@ Spent device-seconds are counted as the sweep's ``cost`` counts them (:mod:`kdsw
 recorded device-seconds (wall from its job's start × its ranks, every attempt), the warm workers' idle time × their
 ranks, and, for a trial still running, at least its time since it started × its ranks (its record is written at
 checkpoints and at its end). A trial costs what the finished trials cost (their median device-seconds: a pruned
-trial's too, since the search will prune again).
+trial's too, since the search will prune again); on warm workers, the warm trials' once one has finished (a
+worker's first trial pays its start-up, which no later one does), and until then one more trial starts to learn it.
 
 The controller asks for a trial while what is spent plus what the running trials are expected to spend still
 leaves part of the budget (:meth:`Budget.allows`): the last trial it starts may run past the budget by at most its
@@ -26,18 +27,45 @@ from kdsweep.sweep.manifest import FINAL, Manifest
 from kdsweep.sweep.workers import idle_device_seconds
 
 
+def _record(entry: dict[str, Any]) -> dict[str, Any]:
+    path = Path(entry["run_dir"]) / "run.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def _cost(entry: dict[str, Any]) -> tuple[dict[str, Any], int]:
     """A trial's recorded cost (empty before its first record) and its ranks (1 until its run.json says)."""
-    path = Path(entry["run_dir"]) / "run.json"
-    record = json.loads(path.read_text()) if path.exists() else {}
+    record = _record(entry)
     return record.get("cost") or {}, int(record.get("world_size") or 1)
+
+
+def _next_costs(entries: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """What these finished trials tell of the next one's cost: their device-seconds and wall seconds. On warm
+    workers the next trials start warm: once a warm trial has finished, only the warm ones count; before, each
+    first (cold) trial less its worker's own start-up before it took the trial (``boot_seconds``)."""
+    seen = []
+    for record in map(_record, entries):
+        cost, ranks = record.get("cost") or {}, int(record.get("world_size") or 1)
+        if cost.get("device_seconds"):
+            seen.append((cost, ranks, (record.get("environment") or {}).get("worker") or {}))
+    if any(w.get("start") == "warm" for _, _, w in seen):
+        seen = [(c, ranks, w) for c, ranks, w in seen if w.get("start") == "warm"]
+    return [(c["device_seconds"] - w.get("boot_seconds", 0.0) * ranks, c.get("trial_seconds", 0.0) - w.get("boot_seconds", 0.0))
+            for c, ranks, w in seen]
+
+
+def _cold_only(entries: list[dict[str, Any]]) -> bool:
+    """Warm workers whose finished trials were all their first (cold): no trial has shown what a warm one costs."""
+    starts = [((r.get("environment") or {}).get("worker") or {}).get("start") for r in map(_record, entries)]
+    return bool(starts) and all(s == "cold" for s in starts)
 
 
 class Budget:
     """What a sweep may spend and has spent; ``device_s`` / ``wall_s`` None: no limit of that kind."""
 
-    def __init__(self, manifest: Manifest, device_hours: float | None, wall_hours: float | None) -> None:
+    def __init__(self, manifest: Manifest, device_hours: float | None, wall_hours: float | None,
+                 trial_hours: float | None = None) -> None:
         self.manifest = manifest
+        self.estimate = None if trial_hours is None else trial_hours * 3600.0  # a trial's device-s, until one ends
         self.device_s = None if device_hours is None else device_hours * 3600.0
         self.wall_s = None if wall_hours is None else wall_hours * 3600.0
         self._wall_before = float(manifest.data.get("wall_s", 0.0))  # the earlier controllers' (a resume)
@@ -76,14 +104,22 @@ class Budget:
                 + idle_device_seconds(self.manifest.path.parent))
 
     def per_trial(self, states: tuple[str, ...] = FINAL) -> tuple[float | None, float | None]:
-        """What one trial costs, from the finished ones (in ``states``): median device-seconds and median wall seconds
-        (None when none has finished with a record)."""
-        costs = [c for c, _ in (_cost(e) for e in self.manifest.trials.values() if e.get("state") in states)
-                 if c.get("device_seconds")]
+        """What the next trial costs, from the finished ones (in ``states``, as :func:`_next_costs` reads them): median
+        device-seconds and median wall seconds (None when none has finished with a record)."""
+        costs = _next_costs([e for e in self.manifest.trials.values() if e.get("state") in states])
         if not costs:
             return None, None
-        return (statistics.median(c["device_seconds"] for c in costs),
-                statistics.median(c.get("trial_seconds", 0.0) for c in costs))
+        return statistics.median(d for d, _ in costs), statistics.median(w for _, w in costs)
+
+    def reserved_trial(self) -> float | None:
+        """What each reserved trial (a confirmation's: run to its end) is expected to cost: the completed trials'
+        mean device-seconds (a few slow ones count, as they will again) and their share of the workers' idle time."""
+        entries = [e for e in self.manifest.trials.values() if e.get("state") == "COMPLETE"]
+        costs = _next_costs(entries)
+        if not costs:
+            return None
+        finished = sum(e.get("state") in FINAL for e in self.manifest.trials.values())
+        return statistics.fmean(d for d, _ in costs) + idle_device_seconds(self.manifest.path.parent) / finished
 
     # -- what may start ----------------------------------------------------------------------------------------
     def allows(self, reserve: int = 0, at_once: int = 1) -> bool:
@@ -93,7 +129,8 @@ class Budget:
         if not self.limited:
             return True
         device, wall = self.per_trial()
-        full_device, full_wall = self.per_trial(("COMPLETE",))
+        _, full_wall = self.per_trial(("COMPLETE",))
+        device, full_device = device or self.estimate, self.reserved_trial() or device or self.estimate
         rounds = -(-reserve // max(at_once, 1))
         if self.wall_s is not None and self.wall_spent() + (wall or 0.0) + rounds * (full_wall or 0.0) > self.wall_s:
             return False
@@ -102,7 +139,12 @@ class Budget:
         now = time.time()
         running = [e for e in self.manifest.trials.values() if e.get("state") not in FINAL]
         committed = sum(max((device or 0.0) - self.trial_spent(e, now), 0.0) for e in running)
-        return self.device_spent() + committed + reserve * (full_device or device or 0.0) < self.device_s
+        if self.device_spent() + committed + reserve * (full_device or 0.0) < self.device_s:
+            return True
+        # the estimate is only cold trials' (a worker's first pays what no later one does): one more trial, warm,
+        # tells the next ones' cost; it may run past the budget by its own cost, as the last trial may
+        finished = [e for e in self.manifest.trials.values() if e.get("state") in FINAL]
+        return not running and _cold_only(finished) and self.device_spent() < self.device_s
 
     def record(self) -> dict[str, Any]:
         """``sweep.json``'s ``budget``: the limits, what was spent, what is left."""

@@ -136,7 +136,7 @@ class Controller:
             pruner=make_pruner(settings), directions=list(settings.directions),
         )
         self.distributions = {p.key: p.distribution() for p in space}
-        self.budget, self._wall_saved = Budget(self.manifest, settings.budget, settings.wall_hours), 0.0
+        self.budget, self._wall_saved = Budget(self.manifest, settings.budget, settings.wall_hours, settings.trial_hours), 0.0
         self.confirm = settings.confirmation
         self.start_failures = 0
         # teacher.logits=cache: one trial builds the cache (or finds it) before the others start (see _slots)
@@ -166,6 +166,9 @@ class Controller:
                 return None
             self.manifest.data["confirmation"] = confirm.plan(
                 self._search_trials(), self.confirm, self.settings.objectives, self.settings.directions)
+            if self.budget.device_s is not None:  # what the search left, and what each confirmation trial should cost
+                self.manifest.data["confirmation"]["search_ended"] = {
+                    "device_seconds_spent": self.budget.device_spent(), "trial_device_seconds": self.budget.reserved_trial()}
             self.manifest.save()
             points = self.manifest.data["confirmation"]["points"]
             log.info("confirmation: %d points (%s) × %d seeds", len(points),
@@ -190,9 +193,13 @@ class Controller:
 
         for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             if str(t.number) not in self.manifest.trials:
-                trial = Trial(self.study, t._trial_id)
-                params = {name: trial._suggest(name, d) for name, d in self.distributions.items()}  # sampled ones stay
-                self._save_asked(t.number, t._trial_id, params, t.user_attrs.get("confirm"))
+                item = t.user_attrs.get("confirm")
+                if item is None:
+                    trial = Trial(self.study, t._trial_id)
+                    params = {name: trial._suggest(name, d) for name, d in self.distributions.items()}  # sampled stay
+                else:  # a confirmation trial: its point is the plan's
+                    params = self._point(item)
+                self._save_asked(t.number, t._trial_id, params, item)
                 log.warning("trial %d was asked but never started (the controller died): starting it now", t.number)
 
     # -- one trial ---------------------------------------------------------------------------------------
@@ -210,7 +217,8 @@ class Controller:
         # the intent first: a controller that dies from here on finds the trial STARTING, and looks for its job
         self.manifest.put(number, state="STARTING", job=None, attempts=attempts + 1,
                           started=entry.get("started") or time.time())
-        crash_point("before_launch", number)
+        tag = self._confirm_tag(entry)
+        crash_point("before_launch", number, tag)
         try:
             job = self.backend.start(entry["args"], Path(entry["run_dir"]), alone=not self.cache_ready)
         except ConfigError as e:  # the scheduler refused this job: the trial fails, the sweep goes on ...
@@ -221,11 +229,19 @@ class Controller:
                 raise ConfigError(f"{self.start_failures} trials in a row could not be submitted ({e}); fix it and "
                                   f"run `kdsweep resume {self.sweep_dir}`") from None
             return
-        crash_point("after_launch", number)
+        crash_point("after_launch", number, tag)
         self.start_failures = 0
         self.manifest.put(number, state="RUNNING", job=job, last_start=time.time())
-        crash_point("after_write", number)
+        crash_point("after_write", number, tag)
         log.info("trial %d started (%s): %s", number, job_name(job), " ".join(f"{k}={v}" for k, v in entry["params"].items()))
+
+    def _confirm_tag(self, entry: dict[str, Any]) -> str | None:
+        """``confirm<k>`` for the plan's k-th confirmation trial (0-based; :data:`CRASH_AT` names it), else None."""
+        item = entry.get("confirm")
+        if not item:
+            return None
+        items = self.manifest.data["confirmation"]["items"]
+        return f"confirm{next(k for k, i in enumerate(items) if (i['label'], i['seed']) == (item['label'], item['seed']))}"
 
     def _save_asked(self, number: int, trial_id: int, params: dict[str, Any], item: dict[str, Any] | None = None) -> None:
         run_dir = self.sweep_dir / str(number)
@@ -238,13 +254,27 @@ class Controller:
         the study's queue first, unless a controller that died after queueing it left it there)."""
         from optuna.trial import TrialState
 
-        if item is not None and not self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
-            point = next(p for p in self.manifest.data["confirmation"]["points"] if p["label"] == item["label"])
-            self.study.enqueue_trial(point["params"], user_attrs={"confirm": item})
-        trial = self.study.ask(self.distributions)
-        item = trial.user_attrs.get("confirm", item)
-        self._save_asked(trial.number, trial._trial_id, trial.params, item)
+        if item is None:
+            trial = self.study.ask(self.distributions)
+            self._save_asked(trial.number, trial._trial_id, trial.params)
+            self._start(trial.number)
+            return
+        waiting = self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+        if waiting:  # queued by a controller that died before asking it
+            item = waiting[0].user_attrs["confirm"]
+        # the study is told the point's values its space holds (CE-only's kd_ratio=0 may lie outside a searched
+        # choice or interval); the trial runs the whole point, as the plan has it
+        point = self._point(item)
+        held = {k: v for k, v in point.items() if k in self.distributions and holds(self.distributions[k], v)}
+        if not waiting:
+            self.study.enqueue_trial(held, user_attrs={"confirm": item})
+        trial = self.study.ask({k: self.distributions[k] for k in held})
+        self._save_asked(trial.number, trial._trial_id, point, item)
         self._start(trial.number)
+
+    def _point(self, item: dict[str, Any]) -> dict[str, Any]:
+        """The params of a confirmation item's point (the plan's)."""
+        return next(p["params"] for p in self.manifest.data["confirmation"]["points"] if p["label"] == item["label"])
 
     def _finish(self, number: int, exit_code: int | str) -> None:
         entry = self.manifest.trial(number)
@@ -362,13 +392,21 @@ class Controller:
 
 
 CRASH_AT = "KDSWEEP_TEST_CRASH_AT"
-"""For tests: ``<point>`` or ``<point>:<trial>`` kills the controller (SIGKILL, as ``kill -9``) at that point of a
-trial's launch: before_launch, after_launch (before the manifest says so), after_write."""
+"""For tests: ``<point>``, ``<point>:<trial>`` or ``<point>:confirm<k>`` (the confirmation's k-th trial) kills the
+controller (SIGKILL, as ``kill -9``) at that point of a trial's launch: before_launch, after_launch (before the
+manifest says so), after_write."""
 
 
-def crash_point(point: str, number: int) -> None:
-    if os.environ.get(CRASH_AT) in (point, f"{point}:{number}"):
+def crash_point(point: str, number: int, tag: str | None = None) -> None:
+    if os.environ.get(CRASH_AT) in (point, f"{point}:{number}", f"{point}:{tag}"):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def holds(distribution: Any, value: Any) -> bool:
+    """Whether an Optuna distribution can hold ``value`` (a choice of it, or inside its bounds)."""
+    if hasattr(distribution, "choices"):
+        return value in distribution.choices
+    return distribution.low <= value <= distribution.high
 
 
 def job_name(job: dict[str, Any] | None) -> str:

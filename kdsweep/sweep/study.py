@@ -43,6 +43,10 @@ class SweepSettings:
     wall_hours: float | None = None
     """Wall-clock hours of the search (every controller's run, a resume included): no trial starts that would end
     after it."""
+    trial_hours: float | None = None
+    """What one trial is expected to cost in device-hours (its ranks × its wall time), for the checks made before any
+    trial starts: ``budget`` must pay for one (and for ``confirm.top`` search trials and the confirmation's). The
+    budget's estimate until trials have finished; null: no check before, the estimate comes from the first ones."""
     confirm: dict[str, Any] | None = None
     """``{top: k, seeds: s}`` (and ``objective`` for a study of several; top 0 or None: none): after the search, its k best points and
     the CE-only baseline are trained again with s fresh seeds, and the sweep reports a verdict with 95% intervals
@@ -52,8 +56,10 @@ class SweepSettings:
     seed: int | None = 0
     pruner: str = "median"
     pruner_startup_trials: int = 2
-    """Trials that must finish before the median pruner prunes anything."""
+    """Trials that must finish before the median or percentile pruner prunes anything."""
     pruner_warmup_steps: int = 0
+    """The grace period: no trial is pruned before this step (median, percentile: their warm-up; halving and
+    hyperband: their smallest resource, the first rung; 0: Optuna's own, from the first eval)."""
     pruner_percentile: float = 75.0
     """percentile pruner: stop a trial whose eval is worse than this percentile of the others' at that step
     (50 is the median pruner; 75 stops only the worst quarter, for noisy early evals)."""
@@ -98,8 +104,28 @@ class SweepSettings:
         _check(self.workers is None or self.workers >= 0,
                f"hydra.sweeper.workers={self.workers} must be >= 0 (0: one job per trial; null: one worker per slot)")
         _check(self.worker_idle_s > 0, f"hydra.sweeper.worker_idle_s={self.worker_idle_s} must be > 0")
-        self.confirmation  # noqa: B018  (validates hydra.sweeper.confirm)
+        confirm = self.confirmation  # validates hydra.sweeper.confirm
+        _check(self.trial_hours is None or self.trial_hours > 0,
+               f"hydra.sweeper.trial_hours={self.trial_hours} must be > 0 (or null: learnt from the first trials)")
+        self._check_budget(confirm)
         _check(0 < self.pruner_percentile < 100, f"hydra.sweeper.pruner_percentile={self.pruner_percentile} must be in (0, 100)")
+
+    def _check_budget(self, confirm: Any) -> None:
+        """With ``trial_hours``, before any trial: the budget pays for one trial, or for ``confirm.top`` search
+        trials and the confirmation's."""
+        if self.budget is None or self.trial_hours is None:
+            return
+        if confirm is None:
+            _check(self.budget >= self.trial_hours,
+                   f"hydra.sweeper.budget={self.budget:g} device-h cannot pay for one trial of hydra.sweeper.trial_hours="
+                   f"{self.trial_hours:g}: raise it to hydra.sweeper.budget={self.trial_hours:g} or more")
+            return
+        need = confirm.top + confirm.trials
+        _check(self.budget >= need * self.trial_hours,
+               f"hydra.sweeper.confirm.top={confirm.top} is more than the trials the budget allows: {self.budget:g} "
+               f"device-h pays for {int(self.budget // self.trial_hours)} trials of {self.trial_hours:g} device-h, and "
+               f"{confirm.top} search trials and the confirmation's {confirm.trials} need {need}: raise it to "
+               f"hydra.sweeper.budget={need * self.trial_hours:.4g} or lower hydra.sweeper.confirm.top")
 
     @classmethod
     def from_plain(cls, values: dict[str, Any]) -> "SweepSettings":
@@ -219,6 +245,7 @@ def make_pruner(settings: SweepSettings) -> Any:
             settings.pruner_percentile, n_startup_trials=settings.pruner_startup_trials,
             n_warmup_steps=settings.pruner_warmup_steps,
         )
+    grace = settings.pruner_warmup_steps or "auto"  # auto: Optuna's, from the first trial's steps
     if settings.pruner == "halving":
-        return optuna.pruners.SuccessiveHalvingPruner()
-    return optuna.pruners.HyperbandPruner()
+        return optuna.pruners.SuccessiveHalvingPruner(min_resource=grace, reduction_factor=3)
+    return optuna.pruners.HyperbandPruner(min_resource=settings.pruner_warmup_steps or 1, reduction_factor=3)

@@ -227,8 +227,11 @@ def worker_states(sweep_dir: Path) -> list[dict[str, Any]]:
 
 
 def idle_device_seconds(sweep_dir: Path) -> float:
-    """Seconds the workers held their devices without a trial (× their ranks): the sweep pays for them too."""
-    return sum(w.get("idle_s", 0.0) * w.get("ranks", 1) for w in worker_states(sweep_dir))
+    """Seconds the workers held their devices without a trial (× their ranks): the sweep pays for them too. A
+    worker idle now adds the time since it said so (its ``idle_s`` grows only when it takes a task or leaves)."""
+    now = time.time()
+    return sum((w.get("idle_s", 0.0) + (max(now - w["updated"], 0.0) if w.get("state") == "idle" and "updated" in w
+                                        else 0.0)) * w.get("ranks", 1) for w in worker_states(sweep_dir))
 
 
 def worker_lines(sweep_dir: Path) -> list[str]:

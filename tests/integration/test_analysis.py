@@ -1,5 +1,5 @@
 """kdsweep.analysis and notebooks/sweep_analysis.ipynb on one real sweep (4 trials on 2 warm workers, one pruned,
-W&B offline)."""
+then the best one and CE-only confirmed with 2 seeds each, W&B offline)."""
 
 import json
 import os
@@ -24,12 +24,14 @@ ARTIFACTS = Path(os.environ.get("KDSWEEP_ARTIFACTS") or REPO / "artifacts")
 NOTEBOOK = REPO / "notebooks" / "sweep_analysis.ipynb"
 STUDY = "analysis"
 PNG = b"\x89PNG\r\n\x1a\n"
+TRIALS = 4 + 2 * 2  # the search's 4, then the best point and CE-only with 2 seeds each
 
 
 @pytest.fixture(scope="module")
 def sweep_dir(tmp_path_factory, zoo_dirs):
     """4 trials of 8 steps on 2 warm workers, W&B offline; trial 2's lr cannot learn, and it starts only after a
-    trial has completed (the median pruner's one startup trial), so it is pruned at its first eval."""
+    trial has completed (the median pruner's one startup trial), so it is pruned at its first eval. Then trials
+    4-7: the best point and CE-only, each with 2 fresh seeds (hydra.sweeper.confirm)."""
     root = tmp_path_factory.mktemp("analysis")
     body = {"defaults": [{"override /hydra/sweeper": "kdsweep_optuna"}],
             "train": {"eval_every": 2, "max_steps": 8},
@@ -37,7 +39,7 @@ def sweep_dir(tmp_path_factory, zoo_dirs):
             "checkpoint": {"save_every": 0, "export_adapter": False, "export_merged": False},
             "hydra": {"sweeper": {
                 "study_name": STUDY, "poll_s": 0.2, "n_trials": 4, "max_concurrent": 2, "workers": 2, "sampler": "random",
-                "seed": 0, "pruner": "median", "pruner_startup_trials": 1,
+                "seed": 0, "pruner": "median", "pruner_startup_trials": 1, "confirm": {"top": 1, "seeds": 2},
                 "params": {"kd_ratio": "interval(0.0,1.0)", "lr": "tag(log, interval(1e-7,3e-2))",
                            "lora_rank": "choice(4,8,16)"},
                 "enqueue": [{"kd_ratio": 0.5, "lr": 0.01, "lora_rank": 8}, {"kd_ratio": 0.3, "lr": 0.005, "lora_rank": 4},
@@ -58,7 +60,7 @@ def test_one_row_per_trial_matching_the_manifest_the_study_and_the_records(sweep
     entries = manifest_of(sweep_dir)["trials"]
     study = optuna.load_study(study_name=STUDY, storage=f"sqlite:///{sweep_dir / 'optuna.db'}").trials
     trials = sweep.trials.set_index("number")
-    assert list(trials.index) == [0, 1, 2, 3] == [t.number for t in study]
+    assert list(trials.index) == list(range(TRIALS)) == [t.number for t in study]
     for t in study:
         row, entry, record = trials.loc[t.number], entries[str(t.number)], read_run(sweep_dir / str(t.number))
         assert row["state"] == entry["state"] == t.state.name == row["optuna_state"]
@@ -77,12 +79,27 @@ def test_one_row_per_trial_matching_the_manifest_the_study_and_the_records(sweep
     pruned = trials[trials["state"] == "PRUNED"]
     assert 2 in pruned.index and (pruned["pruned_step"] == pruned["steps"]).all()
     assert trials.loc[2, "pruned_step"] == 2 == study[2].last_step
-    assert sweep.best_number() == min((t for t in study if t.state.name == "COMPLETE"), key=lambda t: t.value).number
+    searched = [t for t in study if t.state.name == "COMPLETE" and "confirm" not in t.user_attrs]
+    assert sweep.best_number() == min(searched, key=lambda t: t.value).number
+    assert list(trials["confirm.label"].isna()) == [True] * 4 + [False] * 4  # the confirmation's re-runs
+    assert list(trials.loc[4:, "confirm.seed"]) == [entries[str(n)]["confirm"]["seed"] for n in range(4, TRIALS)]
+
+
+def test_the_confirmation_table_is_the_verdict_s_and_its_numbers_are_the_records(sweep_dir):
+    sweep, verdict = load_sweep(sweep_dir, study=False), manifest_of(sweep_dir)["verdict"]
+    table = sweep.confirmation().set_index("label")
+    assert sweep.verdict == verdict["line"] and list(table.index) == ["top1", "ce_only"]
+    runs = sweep.trials[sweep.trials["confirm.label"].notna()]
+    for label, group in runs.groupby("confirm.label"):
+        values = [read_run(Path(d))["eval_after"]["student_ce"] for d in group["run_dir"]]
+        assert table.loc[label, "seeds"] == 2 and table.loc[label, "mean"] == pytest.approx(sum(values) / 2)
+    assert table.loc["ce_only", "param.kd_ratio"] == 0.0
+    assert table.loc["top1", "vs_ce_only.mean"] == pytest.approx(table.loc["top1", "mean"] - table.loc["ce_only", "mean"])
 
 
 def test_history_holds_every_logged_row_in_order(sweep_dir):
     sweep = load_sweep(sweep_dir, study=False)
-    for n in range(4):
+    for n in range(TRIALS):
         rows = read_metrics(sweep_dir / str(n))
         mine = sweep.history[sweep.history["trial"] == n]
         assert len(mine) == len(rows) == len((sweep_dir / str(n) / "metrics.jsonl").read_text().splitlines())
@@ -98,11 +115,11 @@ def test_wandb_offline_runs_read_back_one_per_trial_complete(sweep_dir):
     sweep = load_sweep(sweep_dir, study=False)
     wandb = load_wandb_runs(sweep_dir)
     runs = wandb.runs.set_index("trial")
-    assert sorted(runs.index) == [0, 1, 2, 3]
+    assert sorted(runs.index) == list(range(TRIALS))
     assert set(runs["group"]) == {STUDY} and set(runs["state"]) == {"finished"}
     assert list(runs["name"]) == [f"trial-{n}" for n in runs.index]
     assert list(runs["run_id"]) == list(sweep.trials.set_index("number").loc[runs.index, "wandb_run_id"])
-    for n in range(4):
+    for n in range(TRIALS):
         record = read_run(sweep_dir / str(n))
         assert runs.loc[n, "config"]["kd_ratio"] == record["config"]["kd_ratio"]
         assert runs.loc[n, "summary.objective"] == pytest.approx(record["objective"])
@@ -122,7 +139,9 @@ def test_notebook_tells_the_story_and_saves_its_figures(sweep_dir, tmp_path):
     assert load_sweep(sweep_dir, study=False).reproduce_command() in text.splitlines()
     assert "trial 2 at step 2" in text  # the pruned trials are named
 
-    names = {"importances", "objective_vs_params", "pairwise", "parallel_coordinates", "learning_curves"}
+    assert f"verdict: {manifest_of(sweep_dir)['verdict']['line']}" in text.splitlines()
+    names = {"importances", "objective_vs_params", "pairwise", "parallel_coordinates", "learning_curves",
+             "confirmation"}
     assert {p.stem for p in figures.glob("*.png")} == names
     shown = sum(1 for o in outputs if "image/png" in o.get("data", {}))
     assert shown == len(names)
@@ -160,9 +179,9 @@ def test_a_copied_sweep_is_read_from_its_new_place_and_a_missing_record_is_one_l
     copy = tmp_path / "copy"
     shutil.copytree(sweep_dir, copy, ignore=shutil.ignore_patterns("checkpoints"))
     moved = load_sweep(copy)
-    assert list(moved.trials["run_dir"]) == [str(copy / str(n)) for n in range(4)]
+    assert list(moved.trials["run_dir"]) == [str(copy / str(n)) for n in range(TRIALS)]
     assert len(moved.history) == len(load_sweep(sweep_dir, study=False).history)
-    assert len(load_wandb_runs(copy).runs) == 4
+    assert len(load_wandb_runs(copy).runs) == TRIALS
 
     (copy / "optuna.db").unlink()
     with pytest.raises(ConfigError, match="study storage .* does not exist"):

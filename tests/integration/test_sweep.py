@@ -168,6 +168,12 @@ BAD = {
     "storage": (["hydra.sweeper.storage=sqlite:////no/such/dir/x.db"], "cannot be reached"),
     "launcher": (["hydra/launcher=submitit_local"], "hydra.launcher=LocalLauncher cannot run kdsweep's trials"),
     "budget": (["hydra.sweeper.budget=0", "hydra.sweeper.n_trials=null"], "hydra.sweeper.budget=0.0 must be > 0 hours"),
+    "budget_one_trial": (["hydra.sweeper.budget=0.001", "hydra.sweeper.trial_hours=0.01", "hydra.sweeper.n_trials=null"],
+                         "hydra.sweeper.budget=0.001 device-h cannot pay for one trial of hydra.sweeper.trial_hours=0.01"),
+    "confirm_top": (["hydra.sweeper.budget=0.1", "hydra.sweeper.trial_hours=0.01", "hydra.sweeper.n_trials=null",
+                     "hydra.sweeper.confirm.top=2"], "hydra.sweeper.confirm.top=2 is more than the trials the budget allows"),
+    "confirm_pareto": (["hydra.sweeper.objectives=[student_ce,kl]", "hydra.sweeper.directions=[minimize,minimize]",
+                        "hydra.sweeper.confirm.top=1"], "must name the one it ranks on: hydra.sweeper.confirm.objective="),
 }
 
 

@@ -106,7 +106,10 @@ def test_one_worker_runs_every_trial_and_the_controller_judges_them(one_rank):
 def test_a_warm_trial_equals_its_own_process(one_rank):
     tmp_path, sweep_dir, _, own = one_rank
     warm = sweep_dir / "3"
-    assert read_run(warm)["environment"]["worker"] == {"name": "w0", "trials_before": 3, "start": "warm"}
+    assert read_run(warm)["environment"]["worker"] == {"name": "w0", "trials_before": 3, "start": "warm", "boot_seconds": 0.0}
+    cold = read_run(sweep_dir / "0")
+    assert cold["environment"]["worker"]["start"] == "cold"  # the worker's own start-up, before it took trial 0
+    assert 0 < cold["environment"]["worker"]["boot_seconds"] < cold["cost"]["startup_seconds"]
     assert_identical(warm, own[3])
 
 
@@ -278,5 +281,5 @@ def test_a_trial_invalid_for_the_workers_model_or_data_fails_in_one_line_and_the
         assert "\n" not in reason and words in reason and fix in reason, reason
     entries = manifest(sweep_dir)["trials"]
     assert {e["job"]["worker"] for e in entries.values()} == {"w0"} and all(e["attempts"] == 1 for e in entries.values())
-    assert read_run(sweep_dir / "3")["environment"]["worker"] == {"name": "w0", "trials_before": 3, "start": "warm"}
+    assert read_run(sweep_dir / "3")["environment"]["worker"] == {"name": "w0", "trials_before": 3, "start": "warm", "boot_seconds": 0.0}
     assert json.loads((sweep_dir / "workers" / "w0" / "worker.json").read_text())["trials_run"] == 4

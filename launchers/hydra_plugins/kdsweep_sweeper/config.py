@@ -23,6 +23,7 @@ class KdsweepOptunaConf:
     n_trials: Optional[int] = None
     budget: Optional[float] = None
     wall_hours: Optional[float] = None
+    trial_hours: Optional[float] = None
     confirm: ConfirmConf = field(default_factory=lambda: ConfirmConf())
     max_concurrent: int = 2
     sampler: str = "tpe"

@@ -130,3 +130,36 @@ def test_a_trial_still_running_counts_at_least_its_time_so_far_and_a_failed_one_
 def test_a_limit_that_is_not_positive_is_one_line(field):
     with pytest.raises(ConfigError, match=rf"hydra.sweeper.{field}=0 must be > 0 hours \(or null: no limit\)"):
         SweepSettings(**{field: 0})
+
+
+class OnWarmWorkers(Recorded):
+    """Two workers of 2 ranks: each one's first trial starts cold (the worker's own 28 s of start-up, its boot, then
+    2 s as any trial's), the later ones warm (2 s); every trial then trains for 20 s."""
+
+    def __init__(self) -> None:
+        super().__init__(ranks=2)
+        self.workers_seen = 0
+
+    def poll(self, job):
+        cold = self.workers_seen < 2
+        self.workers_seen += 1
+        startup = 30.0 if cold else 2.0
+        record = {"status": "completed", "world_size": 2, "eval_after": {"student_ce": 1.0},
+                  "config": {"train": {"max_steps": 4}},
+                  "environment": {"worker": {"name": "w", "start": "cold" if cold else "warm",
+                                             "boot_seconds": 28.0 if cold else 0.0}},
+                  "cost": {"trial_seconds": startup + 20.0, "device_seconds": 2 * (startup + 20.0),
+                           "startup_seconds": startup}}
+        (Path(job["run_dir"]) / "run.json").write_text(json.dumps(record))
+        return 0
+
+
+def test_a_workers_one_time_start_up_is_not_expected_of_the_next_trials(tmp_path):
+    # 2 cold trials (100 device-s each), then warm ones (44), and a confirmation of 4 trials reserved: the estimate
+    # is a warm trial's, so the search goes on and the sweep ends within one warm trial of its budget; expecting
+    # every trial to pay a cold start, it would stop searching after the first two (200 + 4 × 100 reserved)
+    manifest = sweep(tmp_path, OnWarmWorkers(), n_trials=None, budget=600 / 3600.0, confirm={"top": 1, "seeds": 2})
+    spent = manifest.data["budget"]["device_seconds_spent"]
+    search = [t for t in manifest.trials.values() if not t.get("confirm")]
+    assert manifest.data["budget"]["trial_device_seconds"] == pytest.approx(44.0)
+    assert len(search) > 2 and 600 - 44 <= spent < 600 + 44, (len(search), spent)

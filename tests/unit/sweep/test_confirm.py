@@ -155,3 +155,43 @@ def test_a_pareto_study_confirms_on_the_objective_it_names(tmp_path):
                      confirm={"top": 1, "seeds": 2, "objective": "kl"})
     assert manifest.data["confirmation"]["objective"] == "kl" and manifest.data["verdict"]["best"] == "top1"
     assert len([t for t in manifest.trials.values() if t.get("confirm")]) == 2 * 2
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"n_trials": None, "budget": 0.01, "trial_hours": 0.02, "confirm": None},
+     "hydra.sweeper.budget=0.01 device-h cannot pay for one trial of hydra.sweeper.trial_hours=0.02: raise it to "
+     "hydra.sweeper.budget=0.02 or more"),
+    ({"n_trials": None, "budget": 0.2, "trial_hours": 0.02},  # 10 trials; top 2 and 3 × 3 confirmation need 11
+     "hydra.sweeper.confirm.top=2 is more than the trials the budget allows: 0.2 device-h pays for 10 trials of "
+     "0.02 device-h, and 2 search trials and the confirmation's 9 need 11: raise it to hydra.sweeper.budget=0.22 "
+     "or lower hydra.sweeper.confirm.top"),
+])
+def test_a_budget_too_small_for_a_trial_or_the_confirmation_is_one_line_and_its_hint_passes(kw, message):
+    with pytest.raises(ConfigError) as e:
+        settings(**kw)
+    assert str(e.value) == message
+    hint = message.split("raise it to hydra.sweeper.budget=")[1].split(" ")[0]
+    settings(**{**kw, "budget": float(hint)})  # what the line says to do is accepted
+
+
+def test_the_trial_estimate_reserves_the_confirmation_before_any_trial_has_ended(tmp_path):
+    # 10 device-s trials known from the start: the first trials start only while 9 confirmation trials still fit
+    manifest = sweep(tmp_path, Recorded(), n_trials=None, budget=200 / 3600.0, trial_hours=10 / 3600.0)
+    search = [t for t in manifest.trials.values() if not t.get("confirm")]
+    assert len(search) == 11 and len(manifest.trials) == 11 + 9
+
+
+def test_ce_only_outside_the_searched_choices_runs_its_point_and_a_resume_keeps_it(tmp_path):
+    """kd_ratio searched as choices without 0: the study holds the values its space can (CE-only's other params),
+    the trial runs the whole point; a controller killed mid-confirmation resumes the same way."""
+    space = {"kd_ratio": "choice(0.3,0.6,0.9)", "lora_rank": "choice(4,8,16)"}
+    with pytest.raises(KeyboardInterrupt):
+        Controller(settings(), parse_space(space), ["train=smoke"], tmp_path, Recorded(stop_after=6 + 7)).run()
+    backend = Recorded()
+    manifest = Controller(settings(), parse_space(space), ["train=smoke"], tmp_path, backend).run()
+    baseline = [t for t in manifest.trials.values() if (t.get("confirm") or {}).get("label") == "ce_only"]
+    assert len(baseline) == 3 and all(t["params"]["kd_ratio"] == 0.0 and "kd_ratio=0.0" in t["args"] for t in baseline)
+    study = optuna.load_study(study_name="c", storage=f"sqlite:///{tmp_path / 'optuna.db'}")
+    held = [t for t in study.trials if t.user_attrs.get("confirm", {}).get("label") == "ce_only"]
+    assert len(held) == 3 and all("kd_ratio" not in t.params and t.state.name == "COMPLETE" for t in held)
+    assert "verdict" in manifest.data and len(manifest.trials) == 6 + 9

@@ -101,3 +101,25 @@ def test_trial_handle_reports_and_prunes_through_the_storage(tmp_path, kind, obj
     reloaded = optuna.load_study(study_name="h", storage=S.make_storage(url))
     assert reloaded.trials[1].intermediate_values == {1: 5.0}
     assert reloaded.trials[1].state == optuna.trial.TrialState.RUNNING  # only the controller tells states
+
+
+@pytest.mark.parametrize("pruner", ["halving", "percentile", "median"])
+@pytest.mark.parametrize("grace", [0, 20])
+def test_the_grace_period_keeps_a_slow_start_until_that_step(pruner, grace):
+    """pruner_warmup_steps: no trial is pruned before that step, whichever the pruner (halving takes it as its first
+    rung); from it on, a trial that stays the worst is pruned."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    settings = S.SweepSettings(pruner=pruner, pruner_warmup_steps=grace, pruner_startup_trials=2)
+    study = optuna.create_study(pruner=S.make_pruner(settings), sampler=optuna.samplers.RandomSampler(seed=0))
+    for value in (1.0, 1.1, 1.2, 1.3, 1.4, 1.5):  # good trials, learning steadily, asking at each eval as jobs do
+        trial = study.ask()
+        for step in (10, 20, 30, 40):
+            trial.report(value - step / 100, step)
+            trial.should_prune()
+        study.tell(trial, value - 0.4)
+    late = study.ask()  # the worst by far at every eval
+    pruned_at = next((step for step in (10, 20, 30) if late.report(9.0, step) or late.should_prune()), None)
+    if grace or pruner != "halving":
+        assert pruned_at == (grace or 10)
+    else:  # halving's own smallest resource (auto): it prunes, at a rung Optuna derives from the first trial
+        assert pruned_at is not None
