@@ -1,32 +1,33 @@
-"""kdsweep's async search with pruning against a batch-synchronous search without pruning, same trials budget.
+"""A sweep's answer at equal device-seconds: kdsweep's search (warm workers, teacher-logit cache, a pruner) against
+the batch-synchronous, unpruned, live-teacher search a hand-glued Hydra + Optuna sweep runs, over sweep seeds.
 
-Same search space (conf/hparams_search/kd_optuna.yaml), budget (--n-trials, --concurrency) and sampler seed:
+Per sweep seed (``--seeds``), on the embedded default with ``hparams_search=kd_optuna``:
 
-- async: the real `python -m kdsweep -m hparams_search=kd_optuna hydra.sweeper.workers=0` (one job per trial;
-  refills a slot as soon as a trial ends, its pruner: percentile 75 as shipped), timed from its launch; trials
-  read back from its sweep.json.
-- batch: what hydra-optuna-sweeper does with a parallel launcher: ask `concurrency` trials from a TPE study with
-  the same seed and a NopPruner, run them as concurrent `python -m kdsweep hparams_search=kd_optuna <params>`
-  processes (the same fixed overrides the sweep gives its trials; OMP_NUM_THREADS = cores // concurrency like
-  kdsweep's local backend), wait for the whole batch, tell, repeat.
+- ``batch``: what hydra-optuna-sweeper does with a parallel launcher: ask ``--concurrency`` trials from a TPE study
+  with that seed and a NopPruner, run them as concurrent ``python -m kdsweep`` processes with the live teacher
+  (OMP_NUM_THREADS = cores // concurrency, as kdsweep's local backend), wait for the whole batch, tell, repeat;
+  ``--n-trials`` trials. Its device-seconds (every trial's wall time × ranks) are the seed's **budget**.
+- ``kdsweep/<pruner>`` for each of ``--pruners``: the real ``python -m kdsweep -m hparams_search=kd_optuna`` with
+  ``hydra.sweeper.budget`` = that budget, ``n_trials`` null, ``--workers`` warm workers and the teacher-logit cache
+  (``sample``, built by its first trial, inside the budget); device-seconds as kdsweep counts them (its workers'
+  hold on the cores from launch to leaving, idle included). ``halving`` is Optuna's successive halving with a grace
+  period (``halving:20``: no trial pruned before step 20, ``hydra.sweeper.pruner_warmup_steps``); ``percentile:0``
+  the rule shipped before (the worst quarter at any eval), ``percentile:20`` the same with the grace period.
+- **confirmation**: each arm's winner (its best completed trial) trained again with ``--confirm-seeds`` fresh
+  training seeds (``train.seed`` = 1000, 1001, …) and the live teacher: the mean and 95% interval that the user
+  would act on. The **seed noise** is the pooled standard deviation over seeds of every confirmed point.
+- **late bloomers**: every trial a pruner stopped is run again to its end (seed 0, as in its sweep) to learn what
+  it would have reached: a pruner *cut the eventual best* when one of them ends better than its arm's best.
 
-Per arm: wall time, trial-seconds (sum of each trial's end - start), device-seconds (trial-seconds × ranks), best
-objective (held-out student CE), the time and the device-seconds (of every trial, up to that moment) until the arm
-first completes a trial at or below the batch arm's best, and pruned trials. With --cache the async arm reads a
-teacher-logit cache (``teacher.logits=cache``, method sample, built by its first trial into a fresh directory:
-the build is included) while the batch arm keeps the live teacher, as a hand-glued sweep does. With --workers N a
-third arm runs the same sweep command on N warm trial workers (``hydra.sweeper.workers=N``, same cache settings):
-its device-seconds are the seconds its workers held their ranks, from each worker's launch to its leaving (idle
-time included). Every arm reports its trials' start-up seconds (run.json ``cost.startup_seconds``: from the
-trial's process start, or from a warm worker taking the trial, to its first step).
-The samplers see different histories (pruned trials, the order results arrive in), so the arms' trials may
-differ once TPE leaves its random start-up trials (10 by default); each async row says whether its params
-equal the batch trial with the same number. The arms run one after the other, never side by side.
+Reported per seed and arm: the best objective found, the device-seconds until the arm first completed a trial
+within the seed noise of the batch arm's best, the confirmed mean ± 95% of its winner, trials run, pruned, and the
+pruned trials that would have beaten its best. Then, over seeds, the medians the README quotes. Arms run one after
+the other, never side by side; the confirmation and late-bloomer runs come after them.
 
-    python benchmarks/sweep_async.py [--n-trials 8] [--concurrency 2] [--seed 0] [--extra train.max_steps=10 ...]
-                                     [--cache] [--workers N] [--out benchmarks/results/sweep_async.json] [--keep DIR]
+    python benchmarks/sweep_async.py [--seeds 0 1 2] [--n-trials 16] [--concurrency 2] [--workers 2]
+                                     [--pruners halving:20 percentile:0 percentile:20 none] [--confirm-seeds 3]
+                                     [--extra OVERRIDE ...] [--out benchmarks/results/sweep_async.json] [--keep DIR]
 """
-
 from __future__ import annotations
 
 import argparse
@@ -36,6 +37,7 @@ import math
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -72,29 +74,23 @@ def device_seconds(rows: list[dict[str, Any]], until: float, ranks: int) -> floa
                        for r in rows)
 
 
-def summarize(rows: list[dict[str, Any]], wall_s: float, target: float | None, ranks: int = 1,
-              tolerance: float = 0.0) -> dict[str, Any]:
-    """Arm metrics from its trial rows (times relative to the arm's start)."""
+def summarize(rows: list[dict[str, Any]], wall_s: float, spent: Any) -> dict[str, Any]:
+    """An arm's metrics from its trial rows (times relative to its start); ``spent(t)``: its device-seconds at t."""
     done = [r for r in rows if r["state"] == "COMPLETE"]
     best = min(done, key=lambda r: (r["objective"], r["ended"])) if done else None
-    reached = [r["ended"] for r in done if target is not None and r["objective"] <= target]
-    near = [r["ended"] for r in done if target is not None and r["objective"] <= target * (1 + tolerance)]
     return {
-        "device_s_to_near_batch_best": round(device_seconds(rows, min(near), ranks), 2) if near else None,
-        "wall_s": round(wall_s, 2),
-        "trial_seconds": round(sum(r["ended"] - r["started"] for r in rows if r["ended"] is not None), 2),
-        "device_seconds": round(device_seconds(rows, wall_s, ranks), 2),
-        "device_s_to_batch_best": round(device_seconds(rows, min(reached), ranks), 2) if reached else None,
-        "best_objective": best["objective"] if best else None,
-        "best_trial": best["number"] if best else None,
-        "s_to_own_best": round(min(r["ended"] for r in done if r["objective"] <= best["objective"]), 2) if best else None,
-        "s_to_batch_best": round(min(reached), 2) if reached else None,
-        "first_trial_started_s": round(min(r["started"] for r in rows), 2) if rows else None,
-        "trials": len(rows),
-        "complete": len(done),
-        "pruned": sum(r["state"] == "PRUNED" for r in rows),
+        "wall_s": round(wall_s, 2), "device_seconds": round(spent(wall_s), 2),
+        "best_objective": best["objective"] if best else None, "best_trial": best["number"] if best else None,
+        "best_params": best["params"] if best else None,
+        "trials": len(rows), "complete": len(done), "pruned": sum(r["state"] == "PRUNED" for r in rows),
         "failed": sum(r["state"] == "FAIL" for r in rows),
     }
+
+
+def first_within(rows: list[dict[str, Any]], goal: float, spent: Any) -> float | None:
+    """Device-seconds until the arm first completed a trial at or below ``goal`` (None: never)."""
+    hits = [r["ended"] for r in rows if r["state"] == "COMPLETE" and r["objective"] <= goal]
+    return round(spent(min(hits)), 2) if hits else None
 
 
 def startup(run_dir: Path) -> dict[str, Any]:
@@ -129,20 +125,20 @@ def pool_device_seconds(spans: list[dict[str, Any]], until: float) -> float:
     return sum(w["ranks"] * max(0.0, min(w["ended"], until) - w["started"]) for w in spans)
 
 
-def run_async(work: Path, n: int, c: int, seed: int, extra: list[str],
-              arm: str = "async") -> tuple[list[dict[str, Any]], float, list[str], float]:
+def run_async(work: Path, arm: str, seed: int, c: int, sweeper: list[str],
+              extra: list[str]) -> tuple[list[dict[str, Any]], float, list[str], float]:
     """The real sweep command; its trials from sweep.json, times relative to the launch (also returned)."""
     sweep_dir = work / arm
     cmd = [sys.executable, "-m", "kdsweep", "-m", f"hparams_search={SEARCH}", f"hydra.sweep.dir={sweep_dir}",
-           f"hydra.sweeper.n_trials={n}", f"hydra.sweeper.max_concurrent={c}", f"hydra.sweeper.seed={seed}", *extra]
+           f"hydra.sweeper.max_concurrent={c}", f"hydra.sweeper.seed={seed}", *sweeper, *extra]
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    with open(work / f"{arm}.log", "wb") as out:
+    with open(work / f"{arm.replace('/', '-')}.log", "wb") as out:
         proc = subprocess.run(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
     wall = time.time() - t0
     if proc.returncode != 0:
-        tail = (work / f"{arm}.log").read_text(errors="replace")[-3000:]
-        raise SystemExit(f"the async sweep failed ({proc.returncode}):\n{tail}")
+        tail = (work / f"{arm.replace('/', '-')}.log").read_text(errors="replace")[-3000:]
+        raise SystemExit(f"the sweep {arm} failed ({proc.returncode}):\n{tail}")
     manifest = json.loads((sweep_dir / "sweep.json").read_text())
     rows = []
     for number, t in sorted(manifest["trials"].items(), key=lambda kv: int(kv[0])):
@@ -154,6 +150,39 @@ def run_async(work: Path, n: int, c: int, seed: int, extra: list[str],
             **startup(Path(t["run_dir"])),
         })
     return rows, wall, manifest["space"], t0
+
+
+def run_points(work: Path, points: list[tuple[str, dict[str, Any], list[str]]], c: int) -> dict[str, dict[str, Any]]:
+    """Each ``(name, params, overrides)`` as one ``python -m kdsweep`` job, ``c`` at a time: objective and seconds."""
+    env, out, queue, running = trial_env(c), {}, list(points), {}
+    while queue or running:
+        while queue and len(running) < c:
+            name, params, overrides = queue.pop(0)
+            run_dir = work / "points" / name
+            shutil.rmtree(run_dir, ignore_errors=True)  # a finished run directory would be resumed: no step
+            run_dir.mkdir(parents=True)
+            cmd = [sys.executable, "-m", "kdsweep", f"hparams_search={SEARCH}", *overrides,
+                   *(f"{k}={v}" for k, v in params.items()), f"hydra.run.dir={run_dir}"]
+            with open(run_dir / "job.log", "wb") as log:
+                running[name] = (subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env),
+                                 run_dir, time.time())
+        for name, (proc, run_dir, started) in list(running.items()):
+            if proc.poll() is not None:
+                state, value, reason = read_objective(run_dir, proc.returncode)
+                out[name] = {"state": state, "objective": value, "seconds": round(time.time() - started, 2),
+                             "reason": reason}
+                del running[name]
+        time.sleep(0.2)
+    return out
+
+
+def interval(values: list[float]) -> tuple[float | None, float | None]:
+    """Mean and the half-width of its 95% Student-t interval."""
+    if len(values) < 2:
+        return (values[0] if values else None), None
+    from scipy.stats import t as student_t
+
+    return statistics.fmean(values), float(student_t.ppf(0.975, len(values) - 1)) * statistics.stdev(values) / math.sqrt(len(values))
 
 
 def read_objective(run_dir: Path, code: int) -> tuple[str, float | None, str | None]:
@@ -213,142 +242,157 @@ def run_batch(work: Path, n: int, c: int, seed: int, extra: list[str]) -> tuple[
     return rows, time.time() - t0, json.loads(json.dumps([p.describe() for p in space]))  # as in sweep.json
 
 
+def one_seed(work: Path, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Every arm of one sweep seed, the confirmation of their winners and the late-bloomer runs."""
+    c, extra = args.concurrency, args.extra
+    print(f"seed {seed}: batch arm, {args.n_trials} trials in batches of {c}, no pruning, live teacher", flush=True)
+    batch_rows, batch_wall, space = run_batch(work, args.n_trials, c, seed, extra)
+    spent_batch = lambda t: device_seconds(batch_rows, t, 1)  # noqa: E731
+    budget = spent_batch(batch_wall)
+    arms = {"batch": (batch_rows, batch_wall, spent_batch)}
+    for spec in args.pruners:
+        pruner, _, grace = spec.partition(":")
+        arm = f"kdsweep/{pruner}" + (f"-grace{grace}" if grace and grace != "0" else "")
+        print(f"seed {seed}: {arm}, budget {budget:.0f} device-s, {args.workers} warm workers, cache", flush=True)
+        sweeper = ["hydra.sweeper.n_trials=null", f"hydra.sweeper.budget={budget / 3600:.8f}",
+                   f"hydra.sweeper.workers={args.workers}", f"hydra.sweeper.pruner={pruner}",
+                   f"hydra.sweeper.pruner_warmup_steps={grace or 0}"]
+        cache = ["teacher.logits=cache", "teacher.cache.method=sample", f"teacher.cache.dir={work / arm / 'cache'}"]
+        rows, wall, arm_space, t0 = run_async(work, arm, seed, c, sweeper, [*extra, *cache])
+        if arm_space != space:
+            raise SystemExit(f"{arm} searched another space: {arm_space} vs {space}")
+        spans = pool_spans(work / arm, t0)
+        arms[arm] = (rows, wall, lambda t, spans=spans: pool_device_seconds(spans, t))
+    metrics = {name: summarize(rows, wall, spent) for name, (rows, wall, spent) in arms.items()}
+
+    # the winners, trained again with fresh seeds and the live teacher; then each pruned trial to its end
+    winners = list({json.dumps(m["best_params"], sort_keys=True): m["best_params"]  # arms that agree share runs
+                    for m in metrics.values() if m["best_params"]}.values())
+    point_of = lambda params: f"winner{winners.index(params)}"  # noqa: E731
+    points = [(f"{point_of(params)}-s{k}", params, [*extra, f"train.seed={1000 + k}"])
+              for params in winners for k in range(args.confirm_seeds)]
+    cache_of = lambda name: ["teacher.logits=cache", "teacher.cache.method=sample",  # noqa: E731
+                             f"teacher.cache.dir={work / name / 'cache'}"]
+    pruned = [(f"{name.replace('/', '-')}-late{r['number']}", r["params"], [*extra, *cache_of(name)])
+              for name, (rows, _, _) in arms.items() if name != "batch" for r in rows if r["state"] == "PRUNED"]
+    print(f"seed {seed}: {len(points)} confirmation runs, {len(pruned)} pruned trials run to their end", flush=True)
+    results = run_points(work, points + pruned, c)
+    confirmed = {}
+    for name, m in metrics.items():
+        values = [results[f"{point_of(m['best_params'])}-s{k}"]["objective"]
+                  for k in range(args.confirm_seeds)] if m["best_params"] else []
+        values = [v for v in values if v is not None]
+        mean, half = interval(values)
+        confirmed[name] = values
+        m["confirmed"] = {"values": values, "mean": mean, "ci95": half}
+    by_point = {json.dumps(metrics[name]["best_params"], sort_keys=True): v for name, v in confirmed.items() if len(v) > 1}
+    noise = math.sqrt(statistics.fmean(statistics.variance(v) for v in by_point.values()))
+    goal = metrics["batch"]["best_objective"] + noise
+    for name, (rows, wall, spent) in arms.items():
+        m = metrics[name]
+        m["device_s_to_within_noise_of_batch_best"] = first_within(rows, goal, spent)
+        late = [{"number": r["number"], "pruned_at_s": r["ended"],
+                 "would_have_reached": results[f"{name.replace('/', '-')}-late{r['number']}"]["objective"]}
+                for r in rows if r["state"] == "PRUNED"]
+        m["late_bloomers"] = [x for x in late if x["would_have_reached"] is not None
+                              and x["would_have_reached"] < m["best_objective"]]
+        m["pruned_runs"] = late
+        m["cut_the_eventual_best"] = bool(m["late_bloomers"])
+        m["ratio_to_batch"] = (None if m["device_s_to_within_noise_of_batch_best"] is None else round(
+            m["device_s_to_within_noise_of_batch_best"] / metrics["batch"]["device_s_to_within_noise_of_batch_best"], 3))
+    return {"seed": seed, "budget_device_s": round(budget, 2), "seed_noise_sd": noise, "within_noise_goal": goal,
+            "arms": metrics, "trials": {name: rows for name, (rows, _, _) in arms.items()}, "space": space}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--n-trials", type=int, default=8)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--n-trials", type=int, default=16, help="the batch arm's trials (its spend is the budget)")
     parser.add_argument("--concurrency", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--pruners", nargs="+", default=["halving:20", "percentile:0", "percentile:20", "none"],
+                        help="kdsweep arms: pruner[:grace steps] (hydra.sweeper.pruner_warmup_steps)")
+    parser.add_argument("--confirm-seeds", type=int, default=3)
     parser.add_argument("--extra", action="append", default=[], metavar="OVERRIDE",
-                        help="a Hydra override for every trial of both arms (repeat it), e.g. train.max_steps=10")
-    parser.add_argument("--cache", action="store_true",
-                        help="the async arm reads a teacher-logit cache its first trial builds (the batch arm: live)")
-    parser.add_argument("--cache-method", default="sample", choices=("full", "sample", "topk"))
-    parser.add_argument("--workers", type=int, default=0,
-                        help="also run the sweep on this many warm trial workers (hydra.sweeper.workers)")
-    parser.add_argument("--tolerance", type=float, default=0.001,
-                        help="also report when an arm first gets within this relative distance of the batch best")
+                        help="a Hydra override for every trial of every arm (repeat it)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "sweep_async.json"))
     parser.add_argument("--keep", default=None, help="keep the arms' run directories here (default: a temp dir)")
     args = parser.parse_args()
-    n, c, seed = args.n_trials, args.concurrency, args.seed
-
-    work = Path(args.keep or tempfile.mkdtemp(prefix="sweep_async-")).resolve()
+    root = Path(args.keep or tempfile.mkdtemp(prefix="sweep_async-")).resolve()
+    seeds: list[dict[str, Any]] = []
     try:
-        print(f"async arm: kdsweep -m hparams_search={SEARCH}, {n} trials, {c} at a time, seed {seed}", flush=True)
-        cache = ["teacher.logits=cache", f"teacher.cache.method={args.cache_method}",
-                 f"teacher.cache.dir={work / 'teacher_cache'}"]
-        async_extra = [*args.extra, *(cache if args.cache else [])]
-        async_rows, async_wall, async_space, _ = run_async(work, n, c, seed, [*async_extra, "hydra.sweeper.workers=0"])
-        print(f"batch arm: batches of {c}, no pruning", flush=True)
-        batch_rows, batch_wall, batch_space = run_batch(work, n, c, seed, args.extra)
-        pool = None
-        if args.workers:
-            print(f"warm workers arm: the same sweep on {args.workers} workers", flush=True)
-            if args.cache:  # its own cache, built by its first trial, as the per-trial arm's was
-                async_extra = [*args.extra, *cache[:2], f"teacher.cache.dir={work / 'teacher_cache_workers'}"]
-            pool_rows, pool_wall, pool_space, pool_t0 = run_async(
-                work, n, c, seed, [*async_extra, f"hydra.sweeper.workers={args.workers}"], arm="workers")
-            pool = (pool_rows, pool_wall, pool_space, pool_spans(work / "workers", pool_t0))
+        for seed in args.seeds:  # the report is saved after every seed: an interrupted run keeps what it measured
+            seeds.append(one_seed(root / f"seed{seed}", seed, args))
+            save(report(seeds, args), args.out)
     finally:
         if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
-    if async_space != batch_space or (pool is not None and pool[2] != batch_space):
-        raise SystemExit(f"the arms searched different spaces: {async_space} vs {batch_space}")
+            shutil.rmtree(root, ignore_errors=True)
+    print_table(seeds)
+    print(f"saved {args.out}")
 
-    ranks = next((int(e.split("=")[1]) for e in args.extra if e.startswith("dist.nproc_per_node=")), 1)
-    batch = summarize(batch_rows, batch_wall, None, ranks)
-    target = batch["best_objective"]
-    batch = summarize(batch_rows, batch_wall, target, ranks, args.tolerance)
-    async_ = summarize(async_rows, async_wall, target, ranks, args.tolerance)
-    batch_params = {r["number"]: r["params"] for r in batch_rows}
-    for r in async_rows:
-        r["same_params_as_batch"] = r["params"] == batch_params.get(r["number"])
-    arms = {"async_pruning": async_, "batch_sync_no_pruning": batch}
-    rows_of = {"async_pruning": async_rows, "batch_sync_no_pruning": batch_rows}
-    if pool is not None:  # device-seconds: what the workers held, idle included
-        pool_rows, pool_wall, _, spans = pool
-        warm = summarize(pool_rows, pool_wall, target, ranks, args.tolerance)
-        warm["device_seconds"] = round(pool_device_seconds(spans, pool_wall), 2)
-        for key, goal in (("device_s_to_batch_best", target), ("device_s_to_near_batch_best", target * (1 + args.tolerance))):
-            hits = [r["ended"] for r in pool_rows if r["state"] == "COMPLETE" and r["objective"] <= goal]
-            warm[key] = round(pool_device_seconds(spans, min(hits)), 2) if hits else None
-        warm["workers"] = spans
-        arms["warm_workers"], rows_of["warm_workers"] = warm, pool_rows
-    for name, m in arms.items():  # start-up seconds: every trial's, and the warm ones' (a worker's later trials)
-        m["startup_s_median"] = median([r["startup_s"] for r in rows_of[name] if r.get("startup_s") is not None])
-        m["startup_s_median_warm"] = median([r["startup_s"] for r in rows_of[name] if r.get("start") == "warm"])
 
-    def fmt(v: Any, spec: str) -> str:
-        return "-" if v is None else format(v, spec)
+def fmt(v: Any, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
 
-    print(f"\n{'arm':<22} {'wall s':>7} {'trial-s':>8} {'best':>8} {'s to own best':>13} {'s to batch best':>15} "
-          f"{'device-s to batch best':>22} {'pruned':>6} {'failed':>6}")
-    for name, m in arms.items():
-        print(f"{name:<22} {m['wall_s']:>7.1f} {m['trial_seconds']:>8.1f} {fmt(m['best_objective'], '.4f'):>8} "
-              f"{fmt(m['s_to_own_best'], '.1f'):>13} {fmt(m['s_to_batch_best'], '.1f'):>15} "
-              f"{fmt(m['device_s_to_batch_best'], '.1f'):>22} {m['pruned']:>6} {m['failed']:>6}")
-    ratio = (async_["device_s_to_batch_best"] / batch["device_s_to_batch_best"]
-             if async_["device_s_to_batch_best"] is not None and batch["device_s_to_batch_best"] else None)
-    near = (async_["device_s_to_near_batch_best"] / batch["device_s_to_near_batch_best"]
-            if async_["device_s_to_near_batch_best"] is not None and batch["device_s_to_near_batch_best"] else None)
-    print(f"device-seconds to reach the batch arm's best, async / batch: {fmt(ratio, '.3f')}; to come within "
-          f"{100 * args.tolerance:g}% of it: {fmt(near, '.3f')} (async {fmt(async_['device_s_to_near_batch_best'], '.1f')} "
-          f"device-s, batch {fmt(batch['device_s_to_near_batch_best'], '.1f')})")
-    for name, m in arms.items():
-        print(f"{name}: {m['device_seconds']:.1f} device-s ({m['device_seconds'] / batch['device_seconds']:.2f}x the batch "
-              f"arm's); trial start-up median {fmt(m['startup_s_median'], '.2f')} s, warm trials "
-              f"{fmt(m['startup_s_median_warm'], '.2f')} s")
-    warm_ratio = near_warm = None
-    if "warm_workers" in arms:
-        warm = arms["warm_workers"]
-        warm_ratio = warm["device_seconds"] / batch["device_seconds"]
-        near_warm = (warm["device_s_to_near_batch_best"] / batch["device_s_to_near_batch_best"]
-                     if warm["device_s_to_near_batch_best"] is not None and batch["device_s_to_near_batch_best"] else None)
-        print(f"warm workers / batch: {warm_ratio:.3f} of the device-seconds (goal <= 0.4); to come within "
-              f"{100 * args.tolerance:g}% of the batch best: {fmt(near_warm, '.3f')}")
-    same = sum(r["same_params_as_batch"] for r in async_rows)
-    print(f"{same}/{len(async_rows)} async trials have the same params as the batch trial with the same number "
-          "(the samplers see different histories, so the trials may differ)")
-    for name, rows in (("async", async_rows), ("batch", batch_rows), ("warm", rows_of.get("warm_workers", []))):
-        for r in rows:
-            params = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r["params"].items())
-            print(f"  {name} {r['number']:>2} {r['state']:<8} {fmt(r['objective'], '.4f'):>8} "
-                  f"[{r['started']:>6.1f}, {fmt(r['ended'], '6.1f')}] s  start-up {fmt(r['startup_s'], '.2f')} s "
-                  f"({r['start']})  {params}")
 
-    report = {
-        "benchmark": "sweep_async",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+def print_table(seeds: list[dict[str, Any]]) -> None:
+    names = list(seeds[0]["arms"])
+    print(f"\n{'seed':>4} {'arm':<22} {'budget':>7} {'spent':>7} {'best':>7} {'to noise':>9} {'ratio':>6} "
+          f"{'confirmed':>16} {'trials':>6} {'pruned':>6} {'late':>5}")
+    for s in seeds:
+        for name in names:
+            m = s["arms"][name]
+            conf = m["confirmed"]
+            print(f"{s['seed']:>4} {name:<22} {s['budget_device_s']:>7.0f} {m['device_seconds']:>7.0f} "
+                  f"{fmt(m['best_objective'], '.4f'):>7} {fmt(m['device_s_to_within_noise_of_batch_best'], '.0f'):>9} "
+                  f"{fmt(m['ratio_to_batch'], '.2f'):>6} {fmt(conf['mean'], '.4f'):>7} ± {fmt(conf['ci95'], '.4f'):<6} "
+                  f"{m['trials']:>6} {m['pruned']:>6} {len(m['late_bloomers']):>5}")
+    for name, row in summarize_seeds(seeds).items():
+        print(f"{name}: device-s to within noise of the batch best / batch's, median {row['median_ratio_to_batch']} "
+              f"{row['ratios']}; as good as batch {row['at_least_as_good_as_batch']}; cut the eventual best in "
+              f"{row['seeds_that_cut_the_eventual_best']} of {len(seeds)} seeds; device-s {row['device_seconds']}")
+
+
+def summarize_seeds(seeds: list[dict[str, Any]]) -> dict[str, Any]:
+    summary = {}
+    for name in seeds[0]["arms"]:
+        arms = [s["arms"][name] for s in seeds]
+        ratios = [a["ratio_to_batch"] for a in arms]
+        summary[name] = {
+            "median_ratio_to_batch": median([r for r in ratios if r is not None]) if all(r is not None for r in ratios) else None,
+            "ratios": ratios,
+            "at_least_as_good_as_batch": [a["best_objective"] is not None and
+                                          a["best_objective"] <= s["arms"]["batch"]["best_objective"]
+                                          for a, s in zip(arms, seeds)],
+            "seeds_that_cut_the_eventual_best": sum(a["cut_the_eventual_best"] for a in arms),
+            "confirmed_means": [a["confirmed"]["mean"] for a in arms],
+            "device_seconds": [a["device_seconds"] for a in arms],
+            "trials": [a["trials"] for a in arms], "pruned": [a["pruned"] for a in arms],
+        }
+    return summary
+
+
+def report(seeds: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "benchmark": "sweep_async", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git_sha": git_sha(), "host": platform.node(), "python": platform.python_version(),
         "cpus": len(os.sched_getaffinity(0)),
-        "settings": {
-            "search": f"hparams_search={SEARCH}", "n_trials": n, "concurrency": c, "seed": seed, "extra": args.extra,
-            "trial_threads": int(trial_env(c)["OMP_NUM_THREADS"]), "space": batch_space,
-            "sweeper": {k: v for k, v in sweeper_yaml().items() if k != "params"},
-            "order": ["async_pruning", "batch_sync_no_pruning", *(["warm_workers"] if args.workers else [])],
-            "workers": args.workers,
-            "async_teacher": f"cache ({args.cache_method}, built by its first trial)" if args.cache else "live",
-            "batch_teacher": "live",
-        },
-        "device_s_to_batch_best_ratio": ratio,
-        "tolerance": args.tolerance,
-        "device_s_to_near_batch_best_ratio": near,
-        "warm_workers_device_s_ratio": warm_ratio,
-        "warm_workers_device_s_to_near_batch_best_ratio": near_warm,
-        "notes": [
-            "times are seconds from the arm's start (the async arm: launching the sweep command, which includes "
-            "composing and validating the search space's corners)",
-            "s_to_batch_best: the first completed trial whose objective <= the batch arm's best (null: never)",
-            "the samplers see different histories (pruned trials, result order), so the arms' trials may differ "
-            "after TPE's random start-up trials; see same_params_as_batch",
-            "the batch arm polls its processes every 0.1 s, kdsweep every poll_s (0.5 s by default)",
-        ],
-        "arms": arms,
-        "trials": rows_of,
+        "settings": {"search": f"hparams_search={SEARCH}", "seeds": args.seeds, "n_trials": args.n_trials,
+                     "concurrency": args.concurrency, "workers": args.workers, "pruners": args.pruners,
+                     "confirm_seeds": args.confirm_seeds, "extra": args.extra,
+                     "trial_threads": int(trial_env(args.concurrency)["OMP_NUM_THREADS"]),
+                     "sweeper": {k: v for k, v in sweeper_yaml().items() if k != "params"}},
+        "notes": ["budget: the batch arm's device-seconds (its trials' wall time); kdsweep's arms spend it as kdsweep "
+                  "counts (workers' hold from launch to leaving, idle and the cache build included)",
+                  "seed noise: the pooled standard deviation over training seeds of every confirmed winner",
+                  "late bloomers: pruned trials that, run to their end, beat their arm's best"],
+        "summary": summarize_seeds(seeds), "seeds": seeds,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"saved {args.out}")
+
+
+def save(data: dict[str, Any], out: str) -> None:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(data, indent=2, default=str) + "\n")
 
 
 if __name__ == "__main__":

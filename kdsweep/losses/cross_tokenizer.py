@@ -37,7 +37,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from kdsweep.losses.divergences import divergence_per_token, finite_teacher, temperature_factor, upcast
 

@@ -13,17 +13,14 @@ import logging
 import math
 import os
 import signal
-import subprocess
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from kdsweep.metrics.records import JOB_STARTED, SHARED_THREADS, failure_line
 from kdsweep.sweep import confirm
 from kdsweep.sweep.budget import Budget
 from kdsweep.sweep.cost import cost_lines, sweep_cost
+from kdsweep.sweep.judge import Outcome, judge
 from kdsweep.sweep.local import LocalProcesses
 from kdsweep.sweep.manifest import FINAL, STORAGE_ENV, Manifest, connect_url
 from kdsweep.sweep.space import Param
@@ -50,72 +47,6 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """The sweep is over (no trial runs): release what the backend holds (warm workers leave)."""
-
-
-@dataclass
-class Outcome:
-    state: str  # COMPLETE, PRUNED, FAIL or RETRY
-    values: list[float] | None = None
-    reason: str = ""
-
-
-def judge(run_dir: Path, exit_code: int | str, objectives: tuple[str, ...], attempts: int, retries: int,
-          logs: list[str] = ()) -> Outcome:
-    """What a finished job means for its trial, from its exit code (or scheduler state) and its run.json."""
-    record_path = run_dir / "run.json"
-    record = json.loads(record_path.read_text()) if record_path.exists() else {}
-    status = record.get("status")
-    if status == "completed" and (exit_code == 0 or isinstance(exit_code, str)):
-        values = [float((record.get("eval_after") or {}).get(o, float("nan"))) for o in objectives]
-        if not all(math.isfinite(v) for v in values):
-            return Outcome("FAIL", reason=f"the objective is not finite: {values}")
-        return Outcome("COMPLETE", values=values)
-    if status == "pruned":
-        return Outcome("PRUNED")
-    if exit_code == "CANCELLED":  # by a user (scancel): not retried
-        return Outcome("FAIL", reason="the SLURM job was cancelled (scancel)")
-    refused = next(filter(None, (_refusal(Path(p)) for p in reversed(logs))), "") if status is None else ""
-    if refused:  # it refused its input before writing a record (seen as "gone" when no controller watched it)
-        return Outcome("FAIL", reason=refused[:500])
-    # a signal, or an end the job did not choose (vanished, cancelled, timed out, node failure) mid-run; or a rank
-    # of the job lost: rank 0 saw a peer's end through a collective (interrupted), or was ended by its launcher
-    # before it could record anything (still running)
-    killed = (isinstance(exit_code, int) and exit_code < 0) or (isinstance(exit_code, str) and status in (None, "running", "preempted"))
-    if killed or status in ("preempted", "interrupted", "running"):
-        ranks = _rank_failure(run_dir)
-        why = f"the job was interrupted (exit {exit_code}{'; ' + ranks if ranks else ''})"
-        if attempts <= retries:
-            return Outcome("RETRY", reason=f"{why}; restarting it")
-        return Outcome("FAIL", reason=f"the job was interrupted {attempts} times (last: exit {exit_code}"
-                                      f"{'; ' + ranks if ranks else ''}); retries exhausted"[:500])
-    reason = (record.get("error") or next(filter(None, (_last_error_line(Path(p)) for p in reversed(logs))), "")
-              or f"the job exited with {exit_code}")
-    return Outcome("FAIL", reason=reason[:500])
-
-
-def _rank_failure(run_dir: Path) -> str:
-    """What the job's ranks recorded of their failure (``distributed.failure``), in one line, or ""."""
-    return failure_line(run_dir) or ""
-
-
-def _refusal(log_path: Path) -> str:
-    """The one line a job wrote when it refused its input (``kdsweep: error: ...``), or ""."""
-    if not log_path.exists():
-        return ""
-    return next((line.strip() for line in reversed(log_path.read_text(errors="replace").splitlines())
-                 if line.startswith("kdsweep: error:")), "")
-
-
-def _last_error_line(log_path: Path) -> str:
-    if not log_path.exists():
-        return ""
-    lines = [line.strip() for line in log_path.read_text(errors="replace").splitlines()
-             if line.strip() and "HYDRA_FULL_ERROR" not in line]
-    for marker in ("kdsweep: error:", "Error", "error"):
-        for line in reversed(lines):
-            if marker in line:
-                return line
-    return lines[-1] if lines else ""
 
 
 class Controller:

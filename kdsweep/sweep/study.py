@@ -7,7 +7,7 @@ pruners are built from the plain settings saved in the sweep's manifest, never p
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,10 @@ from kdsweep.config.schema import ConfigError
 
 SAMPLERS = ("tpe", "gp", "random", "grid")
 PRUNERS = ("percentile", "median", "halving", "hyperband", "none")
+PRUNER_READS = {"percentile": ("pruner_startup_trials", "pruner_warmup_steps", "pruner_percentile"),
+                "median": ("pruner_startup_trials", "pruner_warmup_steps"),
+                "halving": ("pruner_warmup_steps",), "hyperband": ("pruner_warmup_steps",), "none": ()}
+"""The pruner settings each pruner reads (another one set is a knob that does nothing: SweepSettings.idle_knobs)."""
 OBJECTIVES = ("student_ce", "kl", "teacher_ce")
 DIRECTIONS = ("minimize", "maximize")
 WORKER_SHAPE = ("dist.nproc_per_node", "train.device")
@@ -126,6 +130,15 @@ class SweepSettings:
                f"device-h pays for {int(self.budget // self.trial_hours)} trials of {self.trial_hours:g} device-h, and "
                f"{confirm.top} search trials and the confirmation's {confirm.trials} need {need}: raise it to "
                f"hydra.sweeper.budget={need * self.trial_hours:.4g} or lower hydra.sweeper.confirm.top")
+
+    def idle_knobs(self) -> list[str]:
+        """A line for each pruner setting given that this sweep's pruner does not read (the sweeper warns of it)."""
+        pruner = "none" if self.multi_objective else self.pruner
+        defaults = {f.name: f.default for f in fields(self)}
+        return [f"hydra.sweeper.{name}={getattr(self, name)} does nothing with "
+                f"{'a study of several objectives (no pruning)' if self.multi_objective else f'hydra.sweeper.pruner={pruner}'}"
+                for name in PRUNER_READS["percentile"]
+                if getattr(self, name) != defaults[name] and name not in PRUNER_READS[pruner]]
 
     @classmethod
     def from_plain(cls, values: dict[str, Any]) -> "SweepSettings":

@@ -8,7 +8,6 @@ rank started a collective but the one it was already blocked in, and none comple
 rank fails ends in one line naming the rank and what it was doing; its traceback is in that rank's log.
 """
 
-import json
 import os
 import signal
 import subprocess
@@ -123,7 +122,7 @@ def test_no_rank_completes_or_starts_a_new_collective_after_the_failure(failed_w
     if how == "raised":  # the retry's reason is rank 1's own error, not rank 0's lost peer
         assert run.mark == f"rank 1 failed while training step {FAIL_AT}"
         retry = next(line for line in (run.out + run.err).splitlines() if "restarting it" in line)
-        assert f"rank 1 (" in retry and f"failed while training step {FAIL_AT}: RuntimeError: injected" in retry, retry
+        assert "rank 1 (" in retry and f"failed while training step {FAIL_AT}: RuntimeError: injected" in retry, retry
 
 
 def test_a_plain_job_whose_rank_fails_ends_in_one_line_with_the_traceback_in_that_ranks_log(tmp_path, zoo_dirs):

@@ -128,7 +128,7 @@ def test_a_sweep_over_lmbda_with_pruning_runs(launcher, instructions, tmp_path, 
         extra = ["hydra/launcher=submitit_slurm", "cluster=local_cpu"]
     sweep_dir = tmp_path / "sweep"
     kdsweep("-m", "hparams_search=kd_onpolicy", *data(instructions), *SHORT, "train.max_steps=4", "train.eval_every=2",
-            "hydra.sweeper.n_trials=3", "hydra.sweeper.pruner_startup_trials=1", "hydra.sweeper.poll_s=0.2",
+            "hydra.sweeper.n_trials=3", "hydra.sweeper.pruner_warmup_steps=2", "hydra.sweeper.poll_s=0.2",
             "rollout.seq_kd=true", *extra, f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path, timeout=900)
     manifest = json.loads((sweep_dir / "sweep.json").read_text())
     states = {n: t["state"] for n, t in manifest["trials"].items()}

@@ -2,10 +2,8 @@
 CE-only baseline, 3 fresh seeds each) on 2 warm worker jobs; the controller is killed (kill -9) while it launches a
 confirmation trial and `kdsweep resume` finishes the sweep. The verdict is recomputed here from the run records."""
 
-import json
 import math
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
@@ -66,7 +64,7 @@ def test_a_budgeted_sweep_confirms_its_top_points_on_slurm_workers_through_a_con
         assert rows[label]["vs_ce_only"]["mean"] == pytest.approx(diff, abs=1e-12)
         assert rows[label]["vs_ce_only"]["ci95"] == pytest.approx(diff_half, abs=1e-12)
     best = min(("top1", "top2"), key=lambda k: rows[k]["mean"])
-    assert verdict["best"] == best and f"over 3 seeds" in verdict["line"]
+    assert verdict["best"] == best and "over 3 seeds" in verdict["line"]
     assert study(sweep_dir, "answer").user_attrs["verdict"] == verdict["line"]
     status = kdsweep("status", str(sweep_dir), cwd=tmp_path).stdout
     assert f"verdict: {verdict['line']}" in status and "9 of 9 confirmation trials" in status

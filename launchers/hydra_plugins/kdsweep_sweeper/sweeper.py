@@ -49,6 +49,8 @@ class KdsweepOptunaSweeper(Sweeper):
         own = ("hydra.sweep", "hydra.sweeper", "hydra/sweeper", "hydra.launcher", "hydra/launcher", "hydra.run", "hydra.mode")
         base += [o for o in self.config.hydra.overrides.hydra if not str(o).lstrip("+~").startswith(own)]
         settings = SweepSettings.from_plain({**settings_raw, "params": params})
+        for line in settings.idle_knobs():
+            log.warning(line)
         space = parse_space(params)
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
         first = self._validate_points(base, space, settings.enqueue, sweep_dir)
@@ -70,7 +72,7 @@ class KdsweepOptunaSweeper(Sweeper):
         """Where trials run: local processes or warm local workers (basic launcher), or SLURM jobs driven from the
         launcher's settings. ``first``: the base point's RunConfig (a worker's ranks and device)."""
         from kdsweep.config.schema import ConfigError
-        from kdsweep.sweep.controller import LocalProcesses
+        from kdsweep.sweep.local import LocalProcesses
         from kdsweep.sweep.slurm import SlurmJobs
         from kdsweep.sweep.workers import LocalStarter, WorkerPool
 

@@ -7,7 +7,8 @@ import optuna
 import pytest
 
 from kdsweep.config import ConfigError
-from kdsweep.sweep.controller import Controller, LocalProcesses, judge, summary_lines
+from kdsweep.sweep.controller import Controller, LocalProcesses, summary_lines
+from kdsweep.sweep.judge import judge
 from kdsweep.sweep.manifest import STORAGE_ENV, Manifest
 from kdsweep.sweep.space import parse_space
 from kdsweep.sweep.study import SweepSettings

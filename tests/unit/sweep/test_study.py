@@ -1,6 +1,5 @@
 """Sweep building blocks: search-space parsing, storages, settings, the in-job trial handle."""
 
-import os
 
 import optuna
 import pytest
@@ -123,3 +122,23 @@ def test_the_grace_period_keeps_a_slow_start_until_that_step(pruner, grace):
         assert pruned_at == (grace or 10)
     else:  # halving's own smallest resource (auto): it prunes, at a rung Optuna derives from the first trial
         assert pruned_at is not None
+
+
+@pytest.mark.parametrize("given, pruner, idle", [
+    ({"pruner_startup_trials": 4}, "halving", ["pruner_startup_trials"]),
+    ({"pruner_percentile": 90.0, "pruner_warmup_steps": 20}, "median", ["pruner_percentile"]),
+    ({"pruner_percentile": 90.0, "pruner_startup_trials": 4, "pruner_warmup_steps": 20}, "percentile", []),
+    ({"pruner_warmup_steps": 20}, "none", ["pruner_warmup_steps"]),
+    ({"pruner_warmup_steps": 2}, "halving", []),
+])
+def test_a_pruner_setting_the_pruner_does_not_read_is_named(given, pruner, idle):
+    lines = S.SweepSettings(pruner=pruner, **given).idle_knobs()
+    assert [line.split("=", 1)[0].removeprefix("hydra.sweeper.") for line in lines] == idle
+    assert all(f"does nothing with hydra.sweeper.pruner={pruner}" in line for line in lines)
+
+
+def test_a_study_of_several_objectives_prunes_nothing_and_says_so():
+    settings = S.SweepSettings(pruner="halving", pruner_warmup_steps=20, objectives=("student_ce", "kl"),
+                               directions=("minimize", "minimize"))
+    assert settings.idle_knobs() == ["hydra.sweeper.pruner_warmup_steps=20 does nothing with a study of several "
+                                     "objectives (no pruning)"]
