@@ -244,6 +244,18 @@ def make_sampler(settings: SweepSettings, space: list[Any], resumed_trials: int 
     return optuna.samplers.GridSampler({p.key: p.values() for p in space}, seed=seed)
 
 
+def cache_bias_line(cache_method: str | None, params: dict[str, Any]) -> str | None:
+    """A warning for a search over ``kd_ratio`` whose trials train from a ``sample`` or ``topk`` teacher cache: the
+    higher ``kd_ratio``, the further such a trial lands from the live teacher's (benchmarks/cache_kd_ratio.py: sample
+    +0.006 / +0.017 / +0.029 held-out CE at kd_ratio 0.5 / 0.8 / 1.0, topk +0.065 / +0.13 / +0.70; full: equal), so
+    the search ranks high ``kd_ratio`` too low. None: no such bias (a live teacher, ``full``, or no kd_ratio)."""
+    if cache_method not in ("sample", "topk") or "kd_ratio" not in params:
+        return None
+    return (f"the search over kd_ratio trains from teacher.cache.method={cache_method}, which trains high kd_ratio "
+            "worse than the live teacher does (benchmarks/cache_kd_ratio.py) and ranks it too low: use "
+            "teacher.cache.method=full where it fits on disk, or train the winner again with the live teacher")
+
+
 def make_pruner(settings: SweepSettings) -> Any:
     import optuna
 

@@ -34,7 +34,7 @@ class KdsweepOptunaSweeper(Sweeper):
 
         from kdsweep.sweep.controller import Controller, summary_lines
         from kdsweep.sweep.space import parse_space
-        from kdsweep.sweep.study import SweepSettings, redact
+        from kdsweep.sweep.study import SweepSettings, cache_bias_line, redact
 
         settings_raw = OmegaConf.to_container(OmegaConf.create(self.raw_settings), resolve=True)
         params = dict(settings_raw.pop("params") or {})
@@ -55,6 +55,9 @@ class KdsweepOptunaSweeper(Sweeper):
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
         first = self._validate_points(base, space, settings.enqueue, sweep_dir)
         backend = self._backend(settings, first, sweep_dir)
+        bias = cache_bias_line(first.teacher.cache.method if first.teacher.logits == "cache" else None, params)
+        if bias:
+            log.warning(bias)
         controller = Controller(settings, space, base, sweep_dir, backend,
                                 teacher_cache=first.teacher.logits == "cache")
         controller.manifest.data["command"] = [redact(a) for a in sys.argv[1:]]  # never a password on disk

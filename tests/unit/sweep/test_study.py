@@ -142,3 +142,17 @@ def test_a_study_of_several_objectives_prunes_nothing_and_says_so():
                                directions=("minimize", "minimize"))
     assert settings.idle_knobs() == ["hydra.sweeper.pruner_warmup_steps=20 does nothing with a study of several "
                                      "objectives (no pruning)"]
+
+
+@pytest.mark.parametrize("method, params, warned", [
+    ("sample", {"kd_ratio": "interval(0.0,1.0)", "lr": "interval(1e-3,1e-2)"}, True),
+    ("topk", {"kd_ratio": "choice(0.5,0.9)"}, True),
+    ("full", {"kd_ratio": "interval(0.0,1.0)"}, False),
+    (None, {"kd_ratio": "interval(0.0,1.0)"}, False),  # a live teacher
+    ("sample", {"lr": "interval(1e-3,1e-2)"}, False),
+])
+def test_a_search_over_kd_ratio_from_a_biased_cache_is_warned_of(method, params, warned):
+    line = S.cache_bias_line(method, params)
+    assert (line is not None) == warned
+    if warned:
+        assert f"teacher.cache.method={method}" in line and "teacher.cache.method=full" in line
