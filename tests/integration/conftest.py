@@ -1,6 +1,7 @@
 import fcntl
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,13 @@ def kdsweep(*args: str, cwd: Path, check: bool = True, timeout: float = 600,
     if check and proc.returncode != 0:
         raise AssertionError(f"kdsweep {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def read_run(run_dir: Path) -> dict:

@@ -5,7 +5,6 @@ The sweep is test_sweep.py's sweep of a failing trial and two complete ones, bui
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, free_port
 from test_sweep import faults_sweep, study
 
 pytestmark = pytest.mark.slow
@@ -24,12 +23,6 @@ ARTIFACTS = Path(os.environ.get("KDSWEEP_ARTIFACTS") or REPO / "artifacts")
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
                   "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync",
                   "--virtual-time-budget=15000"]  # the React page needs it, or it dumps an empty skeleton
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def chromium(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:

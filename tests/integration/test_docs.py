@@ -30,7 +30,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,7 +39,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -149,12 +148,6 @@ def commands(page: str) -> tuple[list[Command], int]:
             in_block[-1].expect_error = "\n".join(following[1]).strip()
         found += in_block
     return found, skipped
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import QUIET, kdsweep, read_metrics, read_run, tiny_sweep
+from conftest import QUIET, free_port, kdsweep, read_metrics, read_run, tiny_sweep
 
 pytestmark = pytest.mark.slow
 
@@ -178,12 +177,6 @@ def assert_same_run(a: Path, b: Path, tol: float = 1e-5) -> None:
         for key in ("loss", "ce", "kd", "grad_norm"):
             assert x[key] == pytest.approx(y[key], abs=tol, rel=tol), (x["step"], key)
     assert read_run(a)["objective"] == pytest.approx(read_run(b)["objective"], abs=tol)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_torchrun_agents_of_two_ranks_each_match_one_rank(one_rank, tmp_path):

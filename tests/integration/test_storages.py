@@ -6,7 +6,6 @@ A password given in the storage URL must never reach a file, a log or a printed 
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 import optuna
 import pytest
 
-from conftest import tiny_sweep
+from conftest import free_port, tiny_sweep
 from test_teacher_cache import local_cache_sweep
 
 pytestmark = pytest.mark.slow
@@ -41,12 +40,6 @@ def password_of(url: str) -> str:
 
 def files_holding(root: Path, secret: str) -> list[Path]:
     return [p for p in root.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def without_storage_env() -> dict:
