@@ -27,9 +27,28 @@ from kdsweep.sweep.manifest import FINAL, Manifest
 from kdsweep.sweep.workers import idle_device_seconds
 
 
+_READ: dict[Path, tuple[tuple[int, int, int], dict[str, Any]]] = {}  # run.json -> (its inode, mtime, size; record)
+SETTLED_S = 2.0
+"""A run.json not written for this long is kept parsed until it changes: a later write moves its mtime by more than
+the clock's tick, so (inode, mtime, size) tells it apart; a younger one is parsed at every read."""
+
+
 def _record(entry: dict[str, Any]) -> dict[str, Any]:
+    """A trial's run.json (empty before its first record; read-only). The controller asks :meth:`Budget.allows` at
+    every poll, which reads every trial's record several times: a settled one is parsed once."""
     path = Path(entry["run_dir"]) / "run.json"
-    return json.loads(path.read_text()) if path.exists() else {}
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return {}
+    version = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+    known = _READ.get(path)
+    if known is not None and known[0] == version:
+        return known[1]
+    record = json.loads(path.read_text())
+    if time.time() - stat.st_mtime > SETTLED_S:
+        _READ[path] = (version, record)
+    return record
 
 
 def _cost(entry: dict[str, Any]) -> tuple[dict[str, Any], int]:
