@@ -49,7 +49,7 @@ def measure(impl: str, vocab: int, hidden: int, bt: int, dtype: str, repeats: in
     from kdsweep.losses import kd_loss_sums
     from kdsweep.losses.targets import Logits
     from kdsweep.models.heads import frozen_projection
-    from kdsweep.train.chunked import chunked_loss_backward
+    from kdsweep.train.chunked import chunked_loss_sums
     from kdsweep.train.fused import fused_loss_sums
 
     torch.manual_seed(0)
@@ -94,9 +94,10 @@ def measure(impl: str, vocab: int, hidden: int, bt: int, dtype: str, repeats: in
             with torch.no_grad():
                 t_logits = teacher_head(h_t)
             tokens = (labels != -100).sum()
-            sums = chunked_loss_backward(student(labels).logits, Logits(logits=t_logits), labels, kd_ratio=0.5,
-                                         scale=1.0 / tokens, num_chunks=chunks if impl == "chunked" else 1, **kw)
-            loss = sums.total(0.5) / tokens
+            sums, mixed = chunked_loss_sums(student(labels).logits, Logits(logits=t_logits), labels, kd_ratio=0.5,
+                                            num_chunks=chunks if impl == "chunked" else 1, **kw)
+            loss = mixed / tokens
+            loss.backward()
         h_s.grad = None
         student_head.weight.grad = None
         return float(loss.detach())

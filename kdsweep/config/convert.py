@@ -21,6 +21,8 @@ IGNORED_KEYS = ("hydra",)
 REMOVED = {
     "dist.mixed_precision": "train.dtype=bf16 is bf16 compute with fp32 master weights, on one rank and on many "
                             "(pass train.dtype=bf16; bf16_pure for bf16 weights)",
+    "loss.num_chunks": "the loss splits into as many chunks as loss.chunk_mb (MiB of one [chunk, vocabulary] fp32 "
+                       "buffer) asks; pass loss.chunk_mb=<MiB> (smaller: more chunks), or loss.impl=dense for one",
 }
 """Keys that were removed: what to pass instead."""
 

@@ -298,16 +298,21 @@ class LossConfig:
     """β in [0, 1] of jsd (the teacher's weight in the mixture), jsd_normalized and symmetric (0 = forward-KL end,
     1 = reverse-KL end); unused by the other divergences."""
     impl: str = "auto"
-    """How the loss is computed. dense: from the models' full logits in one piece; chunked: the same logits, the
-    loss in ``num_chunks`` token chunks, each differentiated at once (one chunk's fp32 temporaries at a time, beside
-    the logits and their gradient); fused: from the final hidden states, each chunk projected by the output layers
-    and differentiated at once, so neither model's B×T×V logits ever exist. Same values and gradients (to fp32
-    rounding) either way. auto: fused, unless the student or a live teacher applies a transform to its logits after
-    its output layer (Gemma 2's soft-capping, Cohere's logit scale), which only the logits paths can: then chunked.
-    Resolved once before launch (kdsweep.models.check.choose_impl; run.json records the choice); a config built in
-    code and never validated trains auto as chunked."""
-    num_chunks: int = 8
-    """Token chunks the loss is computed over with ``impl=chunked`` (bounds the fp32 working set)."""
+    """How the loss is computed when it does not fit in one chunk (``chunk_mb``). chunked: from the student's full
+    logits, the loss in token chunks, each differentiated at once (one chunk's fp32 temporaries at a time, beside the
+    logits and their gradient); fused: from the final hidden states, each chunk projected by the output layers and
+    differentiated at once, so neither model's B×T×V logits ever exist; dense: one chunk whatever its size. When one
+    chunk fits, every impl runs the plain graph (full logits, the whole loss, one backward). Same values and
+    gradients (to fp32 rounding) either way. auto: fused, unless the student or a live teacher applies a transform to
+    its logits after its output layer (Gemma 2's soft-capping, Cohere's logit scale), which only the logits paths
+    can: then chunked. Resolved once before launch (kdsweep.models.check.choose_impl; run.json records the choice); a
+    config built in code and never validated trains auto as chunked."""
+    chunk_mb: float = 128.0
+    """The most MiB one ``[chunk, V]`` fp32 buffer of the loss may take (V: the student's vocabulary): a micro-batch
+    of N tokens is split into ceil(N·V·4 B / chunk_mb) token chunks (kdsweep.train.chunks), so memory, not a count,
+    decides. 128 keeps 2,048 tokens at Llama-3's 128k vocabulary in 8 chunks, and a small model's whole loss in one
+    (the plain graph: no chunk machinery at all). On a GPU with memory to spare a larger value means fewer, larger
+    chunks."""
     ignore_index: int = -100
     """Label value excluded from every loss term and token count."""
     cross_tokenizer: str = "gold"
@@ -320,11 +325,6 @@ class LossConfig:
     tokens' share of the teacher's vocabulary."""
     gold_unmatched_weight: float | None = None
     """gold's weight of ULD over the tokens the vocabularies do not share; None: 1 − the matched weight."""
-
-    @property
-    def chunks(self) -> int:
-        """The number of token chunks ``impl`` asks for: ``num_chunks``, or 1 for dense."""
-        return 1 if self.impl == "dense" else self.num_chunks
 
     def __post_init__(self) -> None:
         _check(
@@ -349,7 +349,8 @@ class LossConfig:
             self.impl in self.IMPLS,
             f"loss.impl={self.impl!r} is unknown; use one of {', '.join(self.IMPLS)}",
         )
-        _check(self.num_chunks >= 1, f"loss.num_chunks={self.num_chunks} must be >= 1")
+        _check(self.chunk_mb > 0, f"loss.chunk_mb={self.chunk_mb} must be > 0 (MiB of one [chunk, vocabulary] fp32 "
+               "buffer); pass loss.chunk_mb=128")
         _check(self.cross_tokenizer in self.CROSS_TOKENIZER,
                f"loss.cross_tokenizer={self.cross_tokenizer!r} is unknown; use one of {', '.join(self.CROSS_TOKENIZER)}")
         weights = (self.gold_matched_weight, self.gold_unmatched_weight)

@@ -6,7 +6,10 @@ the sorts) and autograd would keep most of them until the chunk's backward: thre
 :class:`_BlockScores` instead scores the rows in blocks of :func:`block_rows` and differentiates each block before
 the next one runs, keeping only the gradient with respect to the rows it read (``[rows, V]``, and a span's
 continuation log-probs ``[M]``), so the loss path holds one block's temporaries at a time: O(block × V), a fixed
-size, whatever the chunk. Nothing is recomputed: the backward only weighs the kept gradients by the upstream one.
+size, whatever the chunk. Nothing is recomputed: the backward only weighs the kept gradients by the upstream one, in
+their own memory (so a graph of blocks is differentiated once, as a training step's is; a second backward raises).
+Rows that fit in one block (a small vocabulary's whole chunk) skip all of it: one plain graph, differentiated by the
+step's backward.
 
 Exact: a token's term depends only on its own row (:func:`row_scores`), a span's only on its head row and its own
 continuation entries (:func:`block_scores`; a position is the head of at most one span or the continuation of one,
@@ -64,10 +67,11 @@ class _BlockScores(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         grad_rows, grad_cont, head, cont, cont_token, cont_span = ctx.saved_tensors
+        grad_rows.mul_(grad.unsqueeze(-1).to(grad_rows.dtype))  # in place: one backward per forward (a step's)
         if len(cont) == 0 and tuple(grad_rows.shape) == tuple(ctx.shape):  # row_scores: every row in order
-            return grad_rows * grad.unsqueeze(-1).to(grad_rows.dtype), None, None, None, None, None, None, None
+            return grad_rows, None, None, None, None, None, None, None
         out = grad_rows.new_zeros(ctx.shape)
-        out[head] = grad_rows * grad.unsqueeze(-1).to(grad_rows.dtype)
+        out[head] = grad_rows
         out.index_put_((cont, cont_token.long()), grad_cont * grad[cont_span].to(grad_cont.dtype), accumulate=True)
         return out, None, None, None, None, None, None, None
 
@@ -77,14 +81,22 @@ def block_scores(log_q: torch.Tensor, head: torch.Tensor, cont: torch.Tensor, co
     """``[S]`` each span's term from the student's log-probs ``log_q`` ``[n, Vs]``, differentiable in ``log_q``: span
     s reads the row ``head[s]`` and the continuation entries ``(cont[j], cont_token[j])`` of span ``cont_span[j] = s``,
     j in ``cont_at[s]`` … ``cont_at[s + 1] − 1`` (in span order; ``cont_at`` host-side). ``vocab``: the larger of the
-    two vocabularies."""
-    return _BlockScores.apply(log_q, head, cont, cont_token, cont_span, cont_at, block_rows(vocab), score)
+    two vocabularies. Spans that fit in one block are scored as one plain differentiable graph (nothing to gain
+    from a block's own gradient then)."""
+    rows_per_block = block_rows(vocab)
+    if len(head) <= rows_per_block:
+        cont_q = log_q[cont].gather(-1, cont_token.long().unsqueeze(-1)).squeeze(-1)
+        return score(0, len(head), log_q[head], log_q.new_zeros(len(head)).index_add(0, cont_span, cont_q))
+    return _BlockScores.apply(log_q, head, cont, cont_token, cont_span, cont_at, rows_per_block, score)
 
 
 def row_scores(log_q: torch.Tensor, vocab: int, score: Callable[[int, int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """``[n]`` each token's term from its own row of ``log_q`` ``[n, V]``, differentiable in ``log_q``:
-    ``score(first, count, rows)`` gives rows ``first`` … ``first + count − 1``'s terms."""
+    ``score(first, count, rows)`` gives rows ``first`` … ``first + count − 1``'s terms (all of them at once, as a plain
+    graph, when they fit in one block)."""
     n, none = log_q.shape[0], torch.zeros(0, dtype=torch.long, device=log_q.device)
+    if n <= block_rows(vocab):
+        return score(0, n, log_q)
     return block_scores(log_q, torch.arange(n, device=log_q.device), none, none, none, [0] * (n + 1), vocab,
                         lambda first, count, rows, _c: score(first, count, rows))
 

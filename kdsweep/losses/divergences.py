@@ -44,7 +44,7 @@ must be finite. Nothing here synchronises with the host.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +64,67 @@ def log_probs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     ``log_softmax(log p / T)`` is the tempered distribution, renormalised in fp32 (which a cut vocabulary needs).
     """
     return F.log_softmax(_tempered(logits, temperature), dim=-1)
+
+
+class _LogProbsOnce(torch.autograd.Function):
+    """The student's log-probabilities at T (and, given labels, its CE at T = 1 from them), for a graph differentiated
+    once (a training step's): the backward writes the whole gradient with respect to the logits into the
+    log-probabilities' own memory, ``g − p·(Σg − c) − c·onehot(label)`` (g the gradient reaching the log-probs, c the
+    CE's weight on valid rows), so no other ``[n, V]`` tensor exists for it: torch's log-softmax backward allocates
+    one and the CE's ``nll_loss`` backward another, and their sum a third. A second backward raises torch's in-place
+    error."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, temperature: float, labels: torch.Tensor | None,
+                ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        out = F.log_softmax(_tempered(logits, temperature), dim=-1)
+        ce = out.new_zeros(())
+        if labels is not None:
+            valid = labels != ignore_index
+            at = torch.where(valid, labels, 0).unsqueeze(-1)
+            ce = -torch.where(valid, out.gather(-1, at).squeeze(-1), 0.0).sum()
+            ctx.save_for_backward(out, at, valid)
+        else:
+            ctx.save_for_backward(out)
+        ctx.temperature, ctx.dtype = temperature, logits.dtype
+        ctx.set_materialize_grads(False)
+        return out, ce
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor | None, grad_ce: torch.Tensor | None) -> tuple[Any, ...]:
+        out, *label_info = ctx.saved_tensors
+        c = None
+        if grad_ce is not None and label_info:
+            at, valid = label_info
+            c = torch.where(valid, grad_ce, 0.0).to(out.dtype).unsqueeze(-1)  # [n, 1]
+        if grad is None and c is None:
+            return None, None, None, None
+        coef = grad.sum(-1, keepdim=True) if grad is not None else out.new_zeros(out.shape[0], 1)
+        if c is not None:
+            coef = coef - c
+        grad_in = out.exp_().mul_(coef.neg_())  # −p·(Σg − c), in the log-probs' memory
+        if grad is not None:
+            grad_in.add_(grad)
+        if c is not None:
+            grad_in.scatter_add_(-1, at, -c)
+        if ctx.temperature != 1.0:
+            grad_in.div_(ctx.temperature)
+        return grad_in.to(ctx.dtype), None, None, None
+
+
+def student_log_probs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
+                      ignore_index: int = -100, once: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([n, V] log_softmax(logits / T), Σ over valid tokens of the CE at T = 1)`` of the student's logits ``[n, V]``
+    and labels ``[n]``; ``once``: the graph is differentiated once (a training step's), so the backward needs no
+    ``[n, V]`` tensor beyond the log-probabilities' own (:class:`_LogProbsOnce`)."""
+    if once and logits.requires_grad and torch.is_grad_enabled():
+        log_q, ce = _LogProbsOnce.apply(logits, temperature, labels if temperature == 1.0 else None, ignore_index)
+    else:  # the tempered log-probs are the T=1 ones at T=1: reused for CE
+        log_q = log_probs(logits, temperature)
+        ce = F.nll_loss(log_q, labels, ignore_index=ignore_index, reduction="sum") if temperature == 1.0 else None
+    if temperature != 1.0:  # the CE is at T = 1
+        ce = F.cross_entropy(upcast(logits), labels, ignore_index=ignore_index, reduction="sum")
+    return log_q, ce
 
 
 def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -14,7 +14,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kdsweep.losses.divergences import check_divergence, divergence_sum, log_probs, temperature_factor, upcast
+from kdsweep.losses.divergences import (check_divergence, divergence_sum, log_probs, student_log_probs,
+                                        temperature_factor, upcast)
 from kdsweep.losses.targets import Logits, Targets
 
 
@@ -119,6 +120,7 @@ def kd_loss_sums(
     ignore_index: int = -100,
     num_chunks: int = 1,
     teacher_logprobs: bool = False,
+    once: bool = False,
 ) -> LossSums:
     """CE, the temperature-scaled KD divergence and the logged forward KL, summed over valid tokens in ``num_chunks`` chunks.
 
@@ -143,22 +145,28 @@ def kd_loss_sums(
     ce = s.new_zeros((), dtype=torch.float32)
     kd = s.new_zeros((), dtype=torch.float32)
     kl = s.new_zeros((), dtype=torch.float32)
-    for (s_c, y_c), t_c in zip(split_like(targets, num_chunks, s, y), targets.split(num_chunks)):
+    # Each piece's logits are let go once its log-probabilities exist (no reference is kept here), so the divergence
+    # runs beside one [n, V] student tensor, not two, wherever the caller holds no other reference to them.
+    pieces = split_like(targets, num_chunks, s, y)
+    del student_logits, s
+    for i, t_c in enumerate(targets.split(num_chunks)):
+        (s_c, y_c), pieces[i] = pieces[i], None
         s_c = s_c[..., : min(s_c.shape[-1], t_c.vocab)]
         valid = valid_mask(y_c, ignore_index)
-        log_p_s = log_probs(s_c, temperature)
+        log_p_s, ce_c = student_log_probs(s_c, y_c, temperature=temperature, ignore_index=ignore_index, once=once)
+        ce = ce + ce_c
+        del s_c
         d = t_c.divergence(log_p_s, divergence, beta, temperature)
         kd = kd + torch.where(valid, d, 0.0).sum()
-        # The tempered log-probs are the T=1 ones at T=1: reuse them for CE.
-        ce = ce + (F.nll_loss(log_p_s, y_c, ignore_index=ignore_index, reduction="sum") if temperature == 1.0
-                   else cross_entropy_sum(s_c, y_c, ignore_index))
         with torch.no_grad():
             if not t_c.measured:  # no teacher (kd_ratio=0's training steps): no distance to it, and none computed
                 kl_tok = torch.full_like(d, float("nan"))
             elif t_c.kl_is(divergence, beta, temperature):
                 kl_tok = d
-            else:
-                kl_tok = t_c.kl(log_p_s if t_c.kl_temperature == temperature else log_probs(s_c, t_c.kl_temperature))
+            else:  # log_softmax(log p_s(T) · T / T') = log p_s(T'): the logits' own shift does not matter
+                at = log_p_s if t_c.kl_temperature == temperature else log_probs(log_p_s * temperature,
+                                                                                 t_c.kl_temperature)
+                kl_tok = t_c.kl(at)
             kl = kl + torch.where(valid, kl_tok, 0.0).sum()
     tokens = valid_mask(y, ignore_index).sum()
     return LossSums(ce=ce, kd=kd * factor, kl=kl, tokens=tokens)

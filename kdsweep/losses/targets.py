@@ -162,10 +162,11 @@ class Logits:
 
     def _block_log_probs(self, first: int, count: int, vocab: int, temperature: float) -> torch.Tensor:
         """Rows ``first`` … ``first + count − 1`` of :meth:`log_probs` (hidden states: only those rows projected)."""
-        if self.logits is not None:
-            return finite_teacher(log_probs(self.logits[first:first + count, :vocab], temperature))
         with torch.no_grad():
-            return finite_teacher(log_probs(self.head(self.hidden[first:first + count])[..., :vocab], temperature))
+            rows = self.logits[first:first + count] if self.logits is not None else \
+                self.head(self.hidden[first:first + count])
+            log_p = log_probs(rows[..., :vocab], temperature)
+            return log_p.clamp_min_(torch.finfo(log_p.dtype).min)  # finite_teacher, in the fresh tensor's memory
 
     def divergence(self, log_q: torch.Tensor, divergence: str, beta: float, temperature: float) -> torch.Tensor:
         """``[n]`` D(teacher_T, student_T) from the student's log-probs at T ``[n, V]``, a block of rows at a time
@@ -261,12 +262,17 @@ class TopK(_Sparse):
         """``[n]`` D between teacher and student coarsened to the k listed tokens and one tail outcome."""
         if temperature != self.temperature:
             raise ValueError(f"top-k log-probs taken at T={self.temperature} cannot train at T={temperature}")
-        ids = self.ids.long()
+        # a block of rows at a time (kdsweep.losses.blocks): the tail's [rows, V] copy exists for one block
+        return row_scores(log_q, log_q.shape[-1], lambda first, count, rows: self._coarse(
+            rows, slice(first, first + count), divergence, beta))
+
+    def _coarse(self, log_q: torch.Tensor, rows: slice, divergence: str, beta: float) -> torch.Tensor:
+        ids = self.ids[rows].long()
         top_q = log_q.gather(-1, ids)
         # the student's tail: log Σ over every token not listed, computed from its own log-probs (no 1 − Σ cancel)
         tail_q = log_q.scatter(-1, ids, float("-inf")).logsumexp(-1, keepdim=True)
         coarse_q = torch.cat([top_q, tail_q], dim=-1)
-        coarse_p = torch.cat([upcast(self.logp), upcast(self.tail_logp).unsqueeze(-1)], dim=-1)
+        coarse_p = torch.cat([upcast(self.logp[rows]), upcast(self.tail_logp[rows]).unsqueeze(-1)], dim=-1)
         # renormalise what 16-bit storage rounded, and give an empty tail p = 0 exactly
         coarse_p = finite_teacher(F.log_softmax(coarse_p, dim=-1))
         return divergence_per_token(divergence, coarse_q, coarse_p, beta=beta)

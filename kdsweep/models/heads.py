@@ -32,8 +32,37 @@ def output_layer(model: nn.Module) -> nn.Module:
 
 
 def projection(layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The layer's own forward, without module hooks (its parameters must be unsharded when it runs)."""
-    return type(layer).forward.__get__(layer)
+    """The layer's own forward, without module hooks (its parameters must be unsharded when it runs); a plain peft
+    LoRA layer's as :func:`_lora_projection` computes it."""
+    return _lora_projection(layer) or type(layer).forward.__get__(layer)
+
+
+def _lora_projection(layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """A peft LoRA ``Linear`` with one active plain adapter (no DoRA or other variant, no LoRA bias, not merged), as
+    ``base(x) + scaling·B(A(dropout(x)))`` with the low-rank term added into the base layer's output in place: one
+    ``[rows, V]`` tensor, where peft's own forward writes three at once (B's output, its scaled copy and the sum) —
+    at an output layer that is two ``[chunk, V]`` buffers more at the fused loss's peak. None for any other layer."""
+    try:
+        from peft.tuners.lora import Linear as LoraLinear
+    except ImportError:
+        return None
+    if not isinstance(layer, LoraLinear) or layer.disable_adapters or layer.merged or layer.fan_in_fan_out:
+        return None
+    adapters = [a for a in layer.active_adapters if a in layer.lora_A]
+    if len(adapters) != 1 or adapters[0] in layer.lora_variant or layer.lora_bias.get(adapters[0], False):
+        return None
+    name = adapters[0]
+    base, lora_a, lora_b = layer.base_layer, layer.lora_A[name], layer.lora_B[name]
+    dropout, scaling = layer.lora_dropout[name], layer.scaling[name]
+    if type(base) is not nn.Linear:
+        return None
+
+    def project(x: torch.Tensor) -> torch.Tensor:
+        out = torch.nn.functional.linear(x, base.weight, base.bias)
+        low = lora_a(dropout(x.to(lora_a.weight.dtype))) * scaling  # [rows, r]: small
+        return out.addmm_(low.to(out.dtype), lora_b.weight.t().to(out.dtype))
+
+    return project
 
 
 @contextmanager

@@ -70,37 +70,53 @@ class CachedSplit:
         position = (first[:, None] + offset[None, :]).reshape(-1)
         return inside, position, self._part_of(first).repeat_interleave(length)
 
-    def _read(self, name: str, inside: torch.Tensor, position: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
-        """``[cells, width]`` field ``name`` at these cells (zero where not ``inside``): one vectorised index per
-        part; the host buffer pinned when a GPU will read it."""
-        dtype, width = self.spec.fields()[name]
-        buf = torch.zeros(len(position), width, dtype=DTYPES[dtype], pin_memory=torch.cuda.is_available())
+    def _plan(self, inside: torch.Tensor, position: torch.Tensor, part: torch.Tensor) -> list[tuple]:
+        """Where each part's positions go among these cells: ``(part, cells or None for all of them, offsets in the
+        part's file)``, computed once for every field read at these cells."""
+        if len(self.filled) == 1 and bool(inside.all()):  # one writer, no padding: no mask at all
+            i = int(self.filled[0])
+            return [(i, None, position - self.parts[i]["start"])]
+        plan = []
         for i in self.filled.tolist():
             at = (inside & (part == i)).nonzero().squeeze(1)
-            signed_bits(buf)[at] = signed_bits(self.maps[name][i])[position[at] - self.parts[i]["start"]]
+            plan.append((i, at, position[at] - self.parts[i]["start"]))
+        return plan
+
+    def _read(self, name: str, plan: list[tuple], cells: int) -> torch.Tensor:
+        """``[cells, width]`` field ``name`` as ``plan`` places it (zero in the cells no part fills); the host buffer
+        pinned when a GPU will read it."""
+        dtype, width = self.spec.fields()[name]
+        if plan and plan[0][1] is None:  # every cell from one part: one gather, nothing to zero
+            buf = signed_bits(self.maps[name][plan[0][0]])[plan[0][2]].view(DTYPES[dtype])
+            return buf.pin_memory() if torch.cuda.is_available() else buf
+        buf = torch.zeros(cells, width, dtype=DTYPES[dtype], pin_memory=torch.cuda.is_available())
+        for i, at, offsets in plan:
+            signed_bits(buf)[at] = signed_bits(self.maps[name][i])[offsets]
         return buf
 
     def gather(self, row_ids: torch.Tensor, length: int, names: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
         """field → ``[B, length, width]`` (every field, or ``names``): each row's positions, zero past its end
         (padding, never a label); no loop over rows."""
-        where = self.cells(row_ids, length)
-        return {name: self._read(name, *where).view(len(row_ids), length, -1)
+        plan = self._plan(*self.cells(row_ids, length))
+        return {name: self._read(name, plan, len(row_ids) * length).view(len(row_ids), length, -1)
                 for name in (names or tuple(self.spec.fields()))}
 
     def gather_at(self, cells: tuple[torch.Tensor, torch.Tensor, torch.Tensor], name: str,
                   at: torch.Tensor) -> torch.Tensor:
         """``[len(at), width]``: field ``name`` at the flattened cells ``at`` only of a batch (its :meth:`cells`)."""
-        return self._read(name, *(c[at] for c in cells))
+        return self._read(name, self._plan(*(c[at] for c in cells)), len(at))
 
 
 class ReadAhead:
     """Reads from a cache ahead of their use: told the batches that come next (:meth:`expect`), it reads the first on a
     background thread, and each time one is taken (:meth:`get`) starts the next, so a micro-batch's fields are read
-    from the memory map while the one before it trains (torch's indexing and copies release the GIL). A batch it was
-    not told of is read at once; one read runs at a time, so at most two batches' fields are held."""
+    from the memory map while the one before it trains on the GPU (torch's indexing and copies release the GIL). A
+    batch it was not told of is read at once; one read runs at a time, so at most two batches' fields are held. Only
+    for a GPU (``background``): on a CPU the read and the step share the same cores, and a second thread of torch ops
+    only adds an OpenMP team that competes with the step's, so every batch is read when it is asked for."""
 
-    def __init__(self, read: Callable[[Batch], dict[str, torch.Tensor]]) -> None:
-        self.read, self.pool = read, None
+    def __init__(self, read: Callable[[Batch], dict[str, torch.Tensor]], background: bool) -> None:
+        self.read, self.pool, self.background = read, None, background
         self.queue: deque[Batch] = deque()
         self.pending: tuple[Hashable, Future] | None = None
 
@@ -109,6 +125,8 @@ class ReadAhead:
         return tuple(batch.rows.tolist()), batch.input_ids.shape[1]
 
     def expect(self, batches: Sequence[Batch]) -> None:
+        if not self.background:
+            return
         self.queue = deque(b for b in batches if b.rows is not None)
         if self.pending is None:
             self._start_next()
@@ -136,7 +154,7 @@ class CachedTeacher(TeacherSource):
     def __init__(self, split: CachedSplit, device: torch.device) -> None:
         self.split, self.device = split, device
         self.tokens_computed, self.tokens_read = 0, 0
-        self.ahead = ReadAhead(self._read)
+        self.ahead = ReadAhead(self._read, background=device.type == "cuda")
 
     def _read(self, batch: Batch) -> dict[str, torch.Tensor]:
         raw = self.split.gather(batch.rows, batch.input_ids.shape[1])

@@ -85,7 +85,8 @@ class CachedCrossTeacher(TeacherSource):
         self.tokens_computed, self.tokens_read = 0, 0
         self.kd_spans, self.kd_spans_dropped, self.tokens_unaligned = 0, 0, 0
         fields = tuple(name for name in split.spec.fields() if name != "logits")
-        self.ahead = ReadAhead(lambda batch: split.gather(batch.rows, batch.input_ids.shape[1], fields))
+        self.ahead = ReadAhead(lambda batch: split.gather(batch.rows, batch.input_ids.shape[1], fields),
+                               background=device.type == "cuda")
 
     def prefetch(self, batches: Sequence[Batch]) -> None:
         self.ahead.expect(batches)

@@ -12,7 +12,7 @@ crashed in backward).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,26 +20,7 @@ from torch import nn
 from kdsweep.losses import LossSums
 from kdsweep.losses.targets import Targets
 from kdsweep.models.heads import forward_replaced, output_layer, projection
-from kdsweep.train.chunked import chunk_gradients
-
-
-class _LossWithGradient(torch.autograd.Function):
-    """Forward computes the loss *and* its gradient chunk by chunk (each chunk's logits live only inside it);
-    backward only scales the stored gradients. Nothing is recomputed, so the output layer costs what it costs in
-    the dense path, and the memory kept for backward is one gradient of the hidden states and of the layer's
-    trainable parameters, not B×T×V logits."""
-
-    @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, run: Callable, *params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        mixed, stats, grad_hidden, grad_params = run(hidden, params)
-        ctx.save_for_backward(grad_hidden, *grad_params)
-        ctx.mark_non_differentiable(stats)
-        return mixed, stats
-
-    @staticmethod
-    def backward(ctx: Any, g_mixed: torch.Tensor, _g_stats: torch.Tensor) -> tuple[Any, ...]:
-        grad_hidden, *grad_params = ctx.saved_tensors
-        return (grad_hidden * g_mixed, None, *(g * g_mixed for g in grad_params))
+from kdsweep.train.chunked import LossWithGradient, chunk_gradients
 
 
 def fused_loss_sums(
@@ -76,7 +57,7 @@ def fused_loss_sums(
 
     def loss_instead_of_logits(hidden: torch.Tensor) -> torch.Tensor:
         params = [p for p in layer.parameters() if p.requires_grad]  # FSDP: the unsharded ones, during forward
-        mixed, stats = _LossWithGradient.apply(hidden, run, *params)
+        mixed, stats = LossWithGradient.apply(hidden, run, *params)
         return torch.cat([mixed.reshape(1), stats])  # one tensor where the model returns its logits
 
     with forward_replaced(layer, loss_instead_of_logits):

@@ -165,23 +165,21 @@ def _train(
     with profiler:
         while step < cfg.train.max_steps:
             failure.doing(f"training step {step + 1}")
+            before = comm.TALLY.copy()  # bookkeeping outside the timed step
             t_step = time.perf_counter()
-            before = comm.TALLY.copy()
             shares = sampler.rank_micro_batches(step, dist.rank, dist.world_size, d.micro_batch_size)
-            with trial.compute():
+            with trial.compute():  # on-policy generation is a forward too
                 micro = rollout.batches(step, [train_rows.batch(idx).to(device) for idx in shares])
-                work = rollout.work(sum(int(train_rows.tokens[idx].sum()) for idx in shares))  # data: non-padding
-                meter.step(work.tokens, work.teacher_generated)
-                stats = train_step(
-                    student, teacher.train, micro, optimizer, scheduler,
-                    loss_cfg=cfg.loss, max_grad_norm=o.max_grad_norm, dist=dist,
-                )
-            step_comm = comm.TALLY.since(before)
-            in_steps += step_comm
-            step += 1
-            failure.injected(dist.rank, step, out)
+            work = rollout.work(sum(int(train_rows.tokens[idx].sum()) for idx in shares))  # data: non-padding
+            meter.step(work.tokens, work.teacher_generated)
+            stats = train_step(student, teacher.train, micro, optimizer, scheduler, loss_cfg=cfg.loss,
+                               max_grad_norm=o.max_grad_norm, dist=dist, compute=trial.compute, chunks=trial.chunks)
             profiler.step()
             elapsed = time.perf_counter() - t_step
+            step += 1
+            step_comm = comm.TALLY.since(before)
+            in_steps += step_comm
+            failure.injected(dist.rank, step, out)
             bar.update(1)
             bar.set_postfix(loss=f"{stats.loss:.4f}", ce=f"{stats.ce:.4f}", kd=f"{stats.kd:.4f}")
             if step % cfg.train.log_every == 0:

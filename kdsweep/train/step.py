@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import Callable, ContextManager
 
 import torch
 from torch import nn
@@ -10,11 +12,12 @@ from torch import nn
 from kdsweep.config.schema import LossConfig
 from kdsweep.data.batch import Batch
 from kdsweep.distributed import DistEnv
-from kdsweep.losses import LossSums, cross_entropy_sum, log_probs, split_like
+from kdsweep.losses import LossSums, cross_entropy_sum, kd_loss_sums, log_probs, split_like
 from kdsweep.losses.targets import Targets
 from kdsweep.models.heads import final_hidden, frozen_projection
 from kdsweep.teacher.source import TeacherSource
-from kdsweep.train.chunked import chunked_loss_backward
+from kdsweep.train.chunked import chunked_loss_sums
+from kdsweep.train.chunks import chunks_for, output_rows, pieces_for
 from kdsweep.train.fused import fused_loss_sums
 
 
@@ -33,40 +36,58 @@ class StepStats:
 
 
 def micro_batch_backward(student: nn.Module, teacher: TeacherSource, batch: Batch, loss_cfg: LossConfig,
-                         scale: torch.Tensor) -> LossSums:
+                         scale: torch.Tensor, compute: Callable[[], ContextManager] = contextlib.nullcontext,
+                         chunks: int | None = None) -> LossSums:
     """Forward and backward of one micro-batch's loss (its sums times ``scale``); returns the sums, detached.
 
-    The teacher's targets come from ``teacher`` (a live model or a cache: :mod:`kdsweep.teacher`). ``loss.impl``
-    says how the student's side is computed: from full logits (dense, chunked), or from the final hidden states
-    through the output layer chunk by chunk (fused: the B×T×V logits never exist)."""
+    The teacher's targets come from ``teacher`` (a live model or a cache: :mod:`kdsweep.teacher`). When the loss fits
+    in one chunk (:mod:`kdsweep.train.chunks`) it is the plain graph: the student's logits, the whole loss, one
+    backward. Otherwise ``loss.impl`` says how its chunks are made: from the full logits (chunked), or from the final
+    hidden states through the output layer (fused: the B×T×V logits never exist); each chunk is differentiated at
+    once, and the step's one backward runs the model's from what they kept. ``compute``: what the forwards and the
+    loss run under (autocast), not the backward. ``chunks``: how many (the same on every rank, from the configured
+    micro-batch: :func:`~kdsweep.train.chunks.chunks_for`); None: from this batch's own size (one process)."""
     kw = {"divergence": loss_cfg.divergence, "beta": loss_cfg.beta, "temperature": loss_cfg.temperature,
           "ignore_index": loss_cfg.ignore_index}
     kd_ratio = batch.kd_weight(loss_cfg.kd_ratio)
-    with teacher.targets(batch) as targets:
-        if loss_cfg.impl == "fused":
-            sums, mixed = fused_loss_sums(student, batch.inputs(), targets, batch.labels, kd_ratio=kd_ratio,
-                                          num_chunks=loss_cfg.chunks, **kw)
-            (mixed * scale).backward()
-        else:  # each chunk's loss differentiated before the next chunk's runs
-            sums = chunked_loss_backward(student(**batch.inputs()).logits, targets, batch.labels, kd_ratio=kd_ratio,
-                                         scale=scale, num_chunks=loss_cfg.chunks, **kw)
+    with contextlib.ExitStack() as held:
+        with compute():
+            targets = held.enter_context(teacher.targets(batch))  # a live teacher's forward runs here
+            tokens, vocab = batch.labels.numel(), output_rows(student)
+            chunks = chunks_for(loss_cfg, tokens, vocab) if chunks is None else chunks
+            if chunks == 1:  # the plain graph (in cache-sized pieces on a CPU, still one graph)
+                sums = kd_loss_sums(student(**batch.inputs()).logits, targets, batch.labels,  # no **kw: see chunked
+                                    num_chunks=pieces_for(batch.labels.device, tokens, vocab), once=True,
+                                    divergence=loss_cfg.divergence, beta=loss_cfg.beta,
+                                    temperature=loss_cfg.temperature, ignore_index=loss_cfg.ignore_index)
+                mixed = sums.total(kd_ratio)
+            elif loss_cfg.impl == "fused":
+                sums, mixed = fused_loss_sums(student, batch.inputs(), targets, batch.labels, kd_ratio=kd_ratio,
+                                              num_chunks=chunks, **kw)
+            else:
+                sums, mixed = chunked_loss_sums(student(**batch.inputs()).logits, targets, batch.labels,
+                                                kd_ratio=kd_ratio, num_chunks=chunks, **kw)
+        (mixed * scale).backward()
     return LossSums(*(t.detach() for t in sums))
 
 
-def _eval_chunks(student: nn.Module, targets: Targets, batch: Batch, num_chunks: int, fused: bool):
-    """(student logits, teacher targets, labels) of each token chunk; with ``fused`` each student chunk is projected
-    from the final hidden states on its own, so no B×T×V tensor exists."""
-    y = batch.labels.reshape(-1)
-    if not fused:
+def _eval_chunks(student: nn.Module, targets: Targets, batch: Batch, loss_cfg: LossConfig, chunks: int | None):
+    """(student logits, teacher targets, labels) of each token chunk (``chunks``, as for :func:`micro_batch_backward`);
+    with ``loss.impl=fused`` and more than one chunk, each student chunk is projected from the final hidden states on
+    its own, so no B×T×V tensor exists."""
+    y, vocab = batch.labels.reshape(-1), output_rows(student)
+    chunks = chunks_for(loss_cfg, y.numel(), vocab) if chunks is None else chunks
+    if chunks == 1 or loss_cfg.impl != "fused":
+        chunks = pieces_for(y.device, y.numel(), vocab) if chunks == 1 else chunks
         s_logits = student(**batch.inputs()).logits
-        for (s_c, y_c), t_c in zip(split_like(targets, num_chunks, s_logits.reshape(-1, s_logits.shape[-1]), y),
-                                   targets.split(num_chunks)):
+        for (s_c, y_c), t_c in zip(split_like(targets, chunks, s_logits.reshape(-1, s_logits.shape[-1]), y),
+                                   targets.split(chunks)):
             yield s_c, t_c, y_c
         return
     h_s = final_hidden(student, batch.inputs())
     with frozen_projection(student) as head_s:  # frozen here
-        for (hs_c, y_c), t_c in zip(split_like(targets, num_chunks, h_s.reshape(-1, h_s.shape[-1]), y),
-                                    targets.split(num_chunks)):
+        for (hs_c, y_c), t_c in zip(split_like(targets, chunks, h_s.reshape(-1, h_s.shape[-1]), y),
+                                    targets.split(chunks)):
             yield head_s(hs_c), t_c, y_c
 
 
@@ -80,13 +101,17 @@ def train_step(
     loss_cfg: LossConfig,
     max_grad_norm: float,
     dist: DistEnv,
+    compute: Callable[[], ContextManager] = contextlib.nullcontext,
+    chunks: int | None = None,
 ) -> StepStats:
     """Accumulate gradients over ``micro_batches``, clip, step the optimizer and the schedule.
 
     Every micro-batch's loss is a *sum* over its valid tokens divided by the valid tokens of the whole step on
     all ranks, so the gradient equals that of the token-mean loss of the global batch, however the batch is
     split over ranks and micro-batches. Gradient reduction across ranks averages (FSDP/DDP default); the
-    ``world_size`` factor turns that average back into the sum the normalisation assumes.
+    ``world_size`` factor turns that average back into the sum the normalisation assumes. ``compute``: what each
+    micro-batch's forwards and loss run under (autocast to bf16 for an unsharded bf16 student); clipping and the
+    optimizer step run outside it. ``chunks``: each micro-batch's loss chunks (:func:`micro_batch_backward`).
     """
     ignore = loss_cfg.ignore_index
     local_tokens = sum((b.labels != ignore).sum() for b in micro_batches)
@@ -95,7 +120,7 @@ def train_step(
     totals = torch.zeros(3, dtype=torch.float32, device=global_tokens.device)  # Σce, Σkd, Σkl
     teacher.prefetch(micro_batches)  # a cache reads each micro-batch's targets while the one before trains
     for batch in micro_batches:
-        sums = micro_batch_backward(student, teacher, batch, loss_cfg, scale)
+        sums = micro_batch_backward(student, teacher, batch, loss_cfg, scale, compute, chunks)
         totals += torch.stack([sums.ce, sums.kd, sums.kl])
     params = [p for p in student.parameters() if p.requires_grad]
     # max_norm=inf measures the norm without clipping.
@@ -129,13 +154,14 @@ class EvalResult:
 
 @torch.no_grad()
 def evaluate(
-    student: nn.Module, teacher: TeacherSource, batches: list[Batch], *, ignore_index: int, dist: DistEnv,
-    num_chunks: int = 8, fused: bool = False,
+    student: nn.Module, teacher: TeacherSource, batches: list[Batch], *, loss_cfg: LossConfig, dist: DistEnv,
+    chunks: int | None = None,
 ) -> EvalResult:
     """Student CE, KL(teacher‖student) and teacher CE on held-out batches; the student is left in train mode.
 
-    Computed chunk by chunk with the training loss functions, so evaluation never holds more fp32 logits than
-    a training step does. The KL is at the targets' ``kl_temperature`` (1 for a live teacher or a full cache).
+    Computed in chunks as the training step's are (``loss_cfg``'s impl; ``chunks`` as for :func:`micro_batch_backward`:
+    the same on every rank, since a fused evaluation's projection is a collective), so evaluation never holds more
+    fp32 logits than a training step does. The KL is at the targets' ``kl_temperature`` (1 for a live teacher or a full cache).
     """
     student.eval()
     teacher.prefetch(batches)
@@ -144,14 +170,14 @@ def evaluate(
         if sums is None:
             sums = torch.zeros(4, dtype=torch.float64, device=batch.labels.device)
         with teacher.targets(batch) as targets:
-            for s_c, t_c, y_c in _eval_chunks(student, targets, batch, num_chunks, fused):
+            for s_c, t_c, y_c in _eval_chunks(student, targets, batch, loss_cfg, chunks):
                 vocab = min(s_c.shape[-1], t_c.vocab)
                 s_c = s_c[..., :vocab]
-                valid = y_c != ignore_index
+                valid = y_c != loss_cfg.ignore_index
                 sums += torch.stack([
-                    cross_entropy_sum(s_c, y_c, ignore_index),
+                    cross_entropy_sum(s_c, y_c, loss_cfg.ignore_index),
                     torch.where(valid, t_c.kl(log_probs(s_c, t_c.kl_temperature)), 0.0).sum(),
-                    t_c.teacher_ce(y_c, vocab, ignore_index).sum(),
+                    t_c.teacher_ce(y_c, vocab, loss_cfg.ignore_index).sum(),
                     valid.sum().float(),
                 ]).double()
     student.train()

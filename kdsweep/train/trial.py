@@ -28,6 +28,7 @@ from kdsweep.rollout import open_rollout
 from kdsweep.train import schedule
 from kdsweep.train.baseline import baseline, baseline_path
 from kdsweep.train.sources import Sources
+from kdsweep.train.chunks import chunks_for, output_rows
 from kdsweep.train.step import Batch, EvalResult, evaluate
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,9 @@ class Trial:
     compute: Callable[[], ContextManager]
     """What the student's steps and evaluations run under: autocast to bf16 for an unsharded ``train.dtype=bf16``
     student (a sharded one gets it from FSDP2), else nothing."""
+    chunks: int
+    """The loss's chunks per training micro-batch: from the configured micro-batch (``data.micro_batch_size`` ×
+    ``data.seq_len``), so every rank and every batch takes the same path (kdsweep.train.chunks)."""
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -112,11 +116,16 @@ def start_trial(cfg: RunConfig, dist: DistEnv, device: torch.device, src: Source
     )
     scheduler = schedule.build(optimizer, o, cfg.train.max_steps)
     eval_batches = eval_batches_of_rank(src.eval_rows, cfg.data.eval_batch_size, dist, device)
+    vocab, d = output_rows(student), cfg.data
+    chunks = {"train": chunks_for(cfg.loss, d.micro_batch_size * d.seq_len, vocab),
+              "eval": chunks_for(cfg.loss, d.eval_batch_size * d.seq_len, vocab)}
+    log.info("the loss runs in %d chunk(s) per micro-batch (%d per held-out batch): loss.chunk_mb=%g, impl=%s",
+             chunks["train"], chunks["eval"], cfg.loss.chunk_mb, cfg.loss.impl)
 
     def evaluate_now() -> EvalResult:
         with compute():
-            return evaluate(student, src.teacher.eval, eval_batches, ignore_index=cfg.loss.ignore_index, dist=dist,
-                            num_chunks=cfg.loss.num_chunks, fused=cfg.loss.impl == "fused")
+            return evaluate(student, src.teacher.eval, eval_batches, loss_cfg=cfg.loss, dist=dist,
+                            chunks=chunks["eval"])
 
     # the job's own start: its imports and tokenization hold the devices too
     teacher = src.teacher
@@ -144,8 +153,9 @@ def start_trial(cfg: RunConfig, dist: DistEnv, device: torch.device, src: Source
         teachers = [str(d) for d in src.teacher_dirs]  # a hub id's snapshot
         record.update(models={"student": str(src.student_dir), "teacher": teachers[0] if len(teachers) == 1 else teachers},
                       placement=src.plan.record(), precision=precision_record(cfg, student), timings=src.timings, data=src.stats, resumed_from=str(resume_from) if resume_from else None,
-                      start_step=start_step, wandb=wandb_info)
-    return Trial(student, rollout, optimizer, scheduler, evaluate_now, meter, start_step, eval_before, metrics, compute)
+                      start_step=start_step, wandb=wandb_info, loss_chunks=chunks)
+    return Trial(student, rollout, optimizer, scheduler, evaluate_now, meter, start_step, eval_before, metrics, compute,
+                 chunks["train"])
 
 
 def precision_record(cfg: RunConfig, student: nn.Module) -> dict[str, Any]:

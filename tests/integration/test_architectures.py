@@ -1,5 +1,5 @@
 """Every architecture users bring, as student and as teacher: LoRA and full fine-tune, chunked and fused loss,
-1 and 2 FSDP ranks, exported adapter and merged model.
+1 and 2 FSDP ranks, the loss in one chunk (the plain graph) and in several, exported adapter and merged model.
 
 Tiny random-init models of each family are built from transformers' own config classes and saved in HF format
 (tests/helpers.py). Each cell is a real ``kdsweep.train.run`` (the function a job runs on every rank) with the
@@ -17,13 +17,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ARCHS, WORDS, gloo_ranks, run_each, save_arch, word_lines, word_tokenizer
+from helpers import ARCHS, WORDS, chunk_mb_for, gloo_ranks, run_each, save_arch, word_lines, word_tokenizer
 
 pytestmark = pytest.mark.slow
 
 MODES = ("lora", "full")
 IMPLS = ("chunked", "fused")
 ROWS = (*ARCHS, "qwen2_padded_teacher")  # a Qwen2 student under a Qwen2 teacher whose output layer is padded
+SPLIT = chunk_mb_for(3, 2 * 16, 22)
+"""The loss budget of every cell but the reference (1 rank, chunked: the plain graph, one chunk): each micro-batch
+(2 rows of 16 tokens, 22 tokens of vocabulary or more) in 3 chunks or more, so each cell checks a chunk path."""
 
 
 def _arch(row: str) -> str:
@@ -43,7 +46,8 @@ def cell_config(root: Path, row: str, mode: str, impl: str, ranks: int):
         teacher=TeacherConfig(path=str(teacher)),
         data=DataConfig(datasets=(DatasetConfig(path=str(root / "corpus.txt")),), seq_len=16, batch_size=4,
                         micro_batch_size=2, eval_batch_size=8, cache_dir=str(root / "data_cache")),
-        loss=LossConfig(kd_ratio=0.5, impl=impl, num_chunks=3),
+        loss=LossConfig(kd_ratio=0.5, impl=impl,
+                        chunk_mb=LossConfig.chunk_mb if (impl, ranks) == ("chunked", 1) else SPLIT),
         optim=OptimConfig(lr=1e-2 if mode == "lora" else 3e-3),
         train=TrainConfig(max_steps=3, eval_every=100, device="cpu", threads=1),
         logger=LoggerConfig(progress_bar=False),
@@ -135,6 +139,7 @@ def test_the_exports_reproduce_the_objective(matrix):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from kdsweep.config.schema import LossConfig
     from kdsweep.data.rows import Rows
     from kdsweep.distributed import single_process
     from kdsweep.train.trial import eval_batches_of_rank
@@ -158,7 +163,7 @@ def test_the_exports_reproduce_the_objective(matrix):
         else:
             assert "adapter" not in record["exports"]
         for name, model in loaded.items():
-            ce = evaluate(model, LiveTeacher(teacher), batches, ignore_index=-100, dist=single_process()).student_ce
+            ce = evaluate(model, LiveTeacher(teacher), batches, loss_cfg=LossConfig(), dist=single_process()).student_ce
             assert ce == pytest.approx(record["objective"], abs=1e-5), (key, name)
             checked += 1
     assert checked == 3 * (len(results) - 4) // 2

@@ -102,6 +102,9 @@ CASES = {
     "unknown_key": (["foo=1"], "unknown config key 'foo'"),
     "unknown_nested_key": (["train.foo=1"], "unknown config key 'train.foo'"),
     "unknown_added_key": (["+train.foo=1"], "unknown config key 'train.foo'"),
+    "removed_num_chunks": (["loss.num_chunks=4"], "loss.num_chunks was removed: the loss splits into as many chunks as "
+                                                   "loss.chunk_mb"),
+    "chunk_mb": (["loss.chunk_mb=0"], "loss.chunk_mb=0.0 must be > 0"),
     "fp16": (["train.dtype=fp16"], "train.dtype"),
     "required_files": (["data=instruction"], "data.datasets[0].path is required but not set; pass data.datasets.0.path=<value>"),
     "knob_conflict": (["loss.kd_ratio=0.9"], "loss.kd_ratio=0.9 disagrees with the sweep knob kd_ratio=0.5"),

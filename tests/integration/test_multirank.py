@@ -119,7 +119,7 @@ def completed(proc):
     return proc
 
 
-FUSED = ["loss.impl=fused", "loss.num_chunks=5"]
+FUSED = ["loss.impl=fused", "loss.chunk_mb=1.5"]  # 8 × 128 tokens × 2,048 in 6 chunks (the dense job: one)
 FUSED_OPTIONS = [[], ["dist=fsdp2_local"],
                  ["dist=fsdp2_local", "dist.reshard_after_forward=false", "dist.activation_checkpointing=true"]]
 # two teachers of the student's tokenizer (the frozen student's start beside the teacher), weighted 1 and 3

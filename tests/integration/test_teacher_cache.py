@@ -1,5 +1,5 @@
 """The teacher-logit cache in real jobs: ``method=full`` trains exactly as the live teacher (every divergence, 1 and 2
-ranks, packed and padded rows); a cache built by 2 ranks is the cache built by 1; editing the teacher gives a new
+ranks, packed and padded rows, the cache's loss in 3 chunks and the live one's in one); a cache built by 2 ranks is the cache built by 1; editing the teacher gives a new
 cache, moving it does not; a sweep runs one teacher pass and no other trial loads the teacher (local trials, and
 2-rank SLURM trials); bad input is one line before anything runs."""
 
@@ -19,12 +19,15 @@ import pytest
 import torch
 
 from conftest import QUIET, kdsweep, read_metrics, read_run, tiny_sweep
-from helpers import WORDS, gloo_ranks, once, run_each, save_hf_model, word_tokenizer
+from helpers import WORDS, chunk_mb_for, gloo_ranks, once, run_each, save_hf_model, word_tokenizer
 
 pytestmark = pytest.mark.slow
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "jsd_normalized", "tvd", "symmetric")
 ROWS = ("pack", "pad")
+SPLIT = chunk_mb_for(3, 2 * 24, 22)
+"""The cached cells' loss budget: each micro-batch (2 rows of 24 tokens, a 22-token vocabulary) in 3 chunks, so every
+comparison of a cached cell with a live one (the plain graph: one chunk) checks the chunk paths against it too."""
 
 
 def cell(root: Path, ranks: int, rows: str, logits: str, divergence: str = "forward_kl", method: str = "full",
@@ -43,7 +46,8 @@ def cell(root: Path, ranks: int, rows: str, logits: str, divergence: str = "forw
         data=DataConfig(datasets=(DatasetConfig(path=str(root / "docs.jsonl")),), sequences=rows, seq_len=24,
                         batch_size=4, micro_batch_size=2, eval_batch_size=4, eval_fraction=0.15,
                         cache_dir=str(root / "data")),
-        loss=LossConfig(kd_ratio=0.6, divergence=divergence, beta=0.3, temperature=1.5, impl=impl, num_chunks=3),
+        loss=LossConfig(kd_ratio=0.6, divergence=divergence, beta=0.3, temperature=1.5, impl=impl,
+                        chunk_mb=SPLIT if logits == "cache" else LossConfig.chunk_mb),
         optim=OptimConfig(lr=1e-2),
         train=TrainConfig(max_steps=4, eval_every=2, device="cpu", threads=1),
         logger=LoggerConfig(progress_bar=False),

@@ -4,7 +4,7 @@ in a real HF Llama (transformers 5, CPU); packed loss and gradients equal the pa
 import pytest
 import torch
 
-from helpers import tiny_llama
+from helpers import chunk_mb_for, tiny_llama
 from kdsweep.config.schema import ConfigError
 from kdsweep.data.formats import Sample
 from kdsweep.data.packing import (
@@ -139,24 +139,24 @@ def test_an_all_ones_attention_mask_turns_transformers_packing_detection_off(pac
     assert (leaky[row, a:b] - alone).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("impl", ["chunked", "fused"])
-def test_packed_loss_and_gradients_equal_the_padded_ones(packed, impl):
+@pytest.mark.parametrize("impl, chunks", [("chunked", 1), ("chunked", 3), ("fused", 3)])
+def test_packed_loss_and_gradients_equal_the_padded_ones(packed, impl, chunks):
     """The training step's own micro-batch backward (teacher and student forwards, KD + CE sums) on the packed
-    rows, and on the same samples one per row, padded."""
+    rows, and on the same samples one per row, padded: in one chunk (the plain graph), and in 3 or more."""
     from kdsweep.config.schema import LossConfig
     from kdsweep.teacher.live import LiveTeacher
     from kdsweep.train.step import micro_batch_backward
 
     samples, p = packed
     student, teacher = tiny_llama(seed=0), tiny_llama(seed=1).eval()
-    cfg = LossConfig(kd_ratio=0.5, impl=impl, num_chunks=3)
+    packed_batch = packed_rows(p).batch(range(p.stats.sequences))
+    cfg = LossConfig(kd_ratio=0.5, impl=impl, chunk_mb=chunk_mb_for(chunks, packed_batch.labels.numel(), 96))
 
     def loss_and_grads(batch):
         student.zero_grad()
         sums = micro_batch_backward(student, LiveTeacher(teacher, fused=impl == "fused"), batch, cfg, torch.tensor(1.0))
         return sums, {n: q.grad.clone() for n, q in student.named_parameters()}
 
-    packed_batch = packed_rows(p).batch(range(p.stats.sequences))
     padded_batch = padded_rows(samples).batch(range(len(samples)))
     assert packed_batch.position_ids is not None and packed_batch.attention_mask is None
     assert padded_batch.attention_mask is not None

@@ -165,3 +165,27 @@ def test_rows_scored_in_blocks_match_the_dense_reference_in_value_and_gradient(d
     kd.backward()
     assert sums.kd.item() == pytest.approx(kd.item(), rel=1e-12)
     assert torch.allclose(leaf.grad, ref.grad, rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("divergence", ["forward_kl", "jsd", "tvd"])
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+@pytest.mark.parametrize("kd_ratio", [0.0, 0.4, 1.0])
+def test_a_step_s_loss_differentiated_once_is_the_loss_autograd_differentiates(divergence, temperature, kd_ratio):
+    """``once=True`` (a training step's graph, differentiated once): the student's log-softmax and CE write their
+    gradient into the log-probabilities' own memory (kdsweep.losses.divergences._LogProbsOnce); values and gradients
+    are autograd's through torch's log-softmax and nll_loss, CE alone (kd_ratio 0), KD alone (1) or both, and a
+    second backward of that graph is refused, not silently wrong."""
+    s, t, y = ragged(14, 11, 5)
+    s = s.double()
+    got, want = s.clone().requires_grad_(), s.clone().requires_grad_()
+    kw = dict(divergence=divergence, beta=0.3, temperature=temperature, num_chunks=3)
+    a = kd_loss_sums(got, t.double(), y, once=True, **kw)
+    b = kd_loss_sums(want, t.double(), y, **kw)
+    for x, z in zip(a, b):
+        assert x.item() == pytest.approx(z.item(), rel=1e-12, abs=1e-12)
+    a.total(kd_ratio).backward(retain_graph=True)
+    b.total(kd_ratio).backward()
+    assert torch.allclose(got.grad, want.grad, rtol=1e-10, atol=1e-12)
+    assert want.grad.abs().sum() > 0
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        a.total(kd_ratio).backward()

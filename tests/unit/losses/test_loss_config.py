@@ -17,6 +17,7 @@ from helpers import one_thread  # noqa: F401  (autouse: tiny tensors run fastest
         (dict(temperature=-2.0), "loss.temperature=-2.0", "pass loss.temperature=1.0"),
         (dict(divergence="js"), "loss.divergence='js'", "use one of forward_kl, reverse_kl, jsd, jsd_normalized, tvd, symmetric"),
         (dict(impl="sparse"), "loss.impl='sparse' is unknown", "use one of auto, dense, chunked, fused"),
+        (dict(chunk_mb=0.0), "loss.chunk_mb=0.0 must be > 0", "pass loss.chunk_mb=128"),
     ],
 )
 def test_bad_loss_settings_name_the_field_and_the_fix_in_one_line(kwargs, field, fix):
@@ -32,10 +33,20 @@ def test_every_divergence_and_beta_end_is_accepted(divergence, beta):
     assert LossConfig(divergence=divergence, beta=beta).divergence == divergence
 
 
-def test_impl_chooses_the_chunks():
-    assert LossConfig().impl == "auto" and LossConfig().chunks == 8
-    assert LossConfig(impl="chunked", num_chunks=5).chunks == 5
-    assert LossConfig(impl="dense", num_chunks=5).chunks == 1
+def test_the_chunks_are_as_many_as_the_byte_budget_asks():
+    """ceil(tokens · vocab · 4 B / chunk_mb): a real vocabulary in chunks of at most 128 MiB, a small model's whole
+    loss in one (the plain graph), dense always one."""
+    from kdsweep.train.chunks import chunks_for
+
+    default = LossConfig()
+    assert default.impl == "auto" and default.chunk_mb == 128.0
+    assert chunks_for(default, 2048, 128256) == 8  # 1,002 MiB: Llama-3's vocabulary, 2,048 tokens
+    assert chunks_for(default, 2048, 151936) == 10  # Qwen3's output rows: 1,187 MiB
+    assert chunks_for(default, 8192, 128256) == 32
+    assert chunks_for(default, 1024, 2052) == 1  # the embedded default's micro-batch: 8 MiB
+    assert chunks_for(LossConfig(chunk_mb=0.5), 1024, 512) == 4  # 2 MiB exactly
+    assert chunks_for(LossConfig(chunk_mb=0.5), 1025, 512) == 5
+    assert chunks_for(LossConfig(impl="dense", chunk_mb=0.001), 8192, 128256) == 1
 
 
 @pytest.mark.parametrize(

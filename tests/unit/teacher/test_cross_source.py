@@ -290,7 +290,7 @@ def test_fused_cross_tokenizer_kd_is_the_chunked_one_without_the_teachers_full_l
     well. Values and gradients equal the chunked path's (the teacher's full logits, the student's full logits)."""
     from dataclasses import replace
 
-    from kdsweep.train.chunked import chunked_loss_backward
+    from kdsweep.train.chunked import chunked_loss_sums
     from kdsweep.train.fused import fused_loss_sums
 
     rows = student_rows("byte_level", True, T=40)
@@ -309,10 +309,10 @@ def test_fused_cross_tokenizer_kd_is_the_chunked_one_without_the_teachers_full_l
                 targets.teacher = replace(targets.teacher, rows=lambda i: projected.append(len(i)) or rows(i))
                 sums, mixed = fused_loss_sums(student, batch.inputs(), targets, batch.labels, kd_ratio=0.4,
                                               num_chunks=3, **kw)
-                (mixed * 0.5).backward()
             else:
-                sums = chunked_loss_backward(student(**batch.inputs()).logits, targets, batch.labels, kd_ratio=0.4,
-                                             scale=torch.tensor(0.5), num_chunks=3, **kw)
+                sums, mixed = chunked_loss_sums(student(**batch.inputs()).logits, targets, batch.labels,
+                                                kd_ratio=0.4, num_chunks=3, **kw)
+            (mixed * 0.5).backward()
         results.append((sums, {n: p.grad for n, p in student.named_parameters()}))
     (want, g_want), (got, g_got) = results
     for a, b in zip(got, want):

@@ -1,5 +1,6 @@
-"""kdsweep.teacher.cached.ReadAhead: a cache's fields for the next micro-batch are read on a background thread while
-the current one trains, and what it gives is what a direct read gives."""
+"""kdsweep.teacher.cached.ReadAhead: for a GPU, a cache's fields for the next micro-batch are read on a background
+thread while the current one trains, and what it gives is what a direct read gives; on a CPU (whose cores the step
+uses) every batch is read when it is asked for, on the step's own thread."""
 
 import threading
 
@@ -23,7 +24,7 @@ def test_the_next_batch_is_read_on_another_thread_before_it_is_asked_for():
             gate.set()
         return {"x": b.rows * 10}
 
-    ahead = ReadAhead(read)
+    ahead = ReadAhead(read, background=True)
     batches = [batch(0), batch(2), batch(4)]
     ahead.expect(batches)
     got = ahead.get(batches[0])
@@ -38,9 +39,21 @@ def test_the_next_batch_is_read_on_another_thread_before_it_is_asked_for():
 
 def test_a_batch_it_was_not_told_of_is_read_at_once_and_the_expected_one_is_kept():
     reads = []
-    ahead = ReadAhead(lambda b: reads.append(int(b.rows[0])) or {"x": b.rows})
+    ahead = ReadAhead(lambda b: reads.append(int(b.rows[0])) or {"x": b.rows}, background=True)
     expected, other = batch(0), batch(8)
     ahead.expect([expected])
     assert torch.equal(ahead.get(other)["x"], torch.tensor([8, 9]))  # an evaluation between steps, say
     assert torch.equal(ahead.get(expected)["x"], torch.tensor([0, 1]))
     assert sorted(reads) == [0, 8] and ahead.pending is None
+
+
+def test_without_a_background_read_nothing_is_read_before_it_is_asked_for():
+    reads = []
+    ahead = ReadAhead(lambda b: reads.append((int(b.rows[0]), threading.current_thread().name)) or {"x": b.rows},
+                      background=False)
+    batches = [batch(0), batch(2)]
+    ahead.expect(batches)
+    assert reads == [] and ahead.pool is None and ahead.pending is None
+    assert torch.equal(ahead.get(batches[1])["x"], torch.tensor([2, 3]))
+    assert torch.equal(ahead.get(batches[0])["x"], torch.tensor([0, 1]))
+    assert reads == [(2, threading.current_thread().name), (0, threading.current_thread().name)]

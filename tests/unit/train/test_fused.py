@@ -81,3 +81,32 @@ def test_models_that_transform_their_logits_are_refused():
     model.config.final_logit_softcapping = 30.0  # as Gemma 2 does after its output layer
     with pytest.raises(ConfigError, match="final_logit_softcapping=30.0 .* use loss.impl=chunked"):
         output_layer(model)
+
+
+@pytest.mark.parametrize("variant", ["lora", "dora", "merged"])
+def test_a_lora_output_layer_projects_as_peft_computes_it(variant):
+    """The fused loss's projection of a peft LoRA output layer adds the low-rank term into the base output in place
+    (kdsweep.models.heads._lora_projection): peft's values and gradients; DoRA and a merged adapter take peft's own
+    forward."""
+    from peft import LoraConfig, get_peft_model
+
+    from kdsweep.models.heads import _lora_projection, output_layer, projection
+
+    torch.manual_seed(0)
+    model = get_peft_model(tiny_llama(vocab=96, hidden=32, seed=2),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["lm_head"], init_lora_weights=False,
+                                      use_dora=variant == "dora"))
+    layer = output_layer(model)
+    if variant == "merged":
+        layer.merge()
+    assert (_lora_projection(layer) is not None) == (variant == "lora")
+    x = torch.randn(7, 32, requires_grad=True)
+    got, want = projection(layer)(x), layer(x)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    g = torch.randn_like(want)
+    params = [x, *(p for p in layer.parameters() if p.requires_grad)]
+    grads = [torch.autograd.grad(out, params, g, allow_unused=True) for out in (got, want)]  # merged: A, B unused
+    for a, b in zip(*grads):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

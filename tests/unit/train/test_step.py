@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from helpers import tiny_llama
+from helpers import chunk_mb_for, tiny_llama
 from kdsweep.config import LossConfig
 from kdsweep.data.batch import Batch
 from kdsweep.distributed import single_process
@@ -57,10 +57,16 @@ def run_split(student, teacher, micro: int, loss_cfg):
     return grads, stats
 
 
+ONE_CHUNK = LossConfig().chunk_mb
+SPLIT = chunk_mb_for(3, T, V)  # a one-row micro-batch in 3 chunks, the whole batch in 24
+
+
 @pytest.mark.parametrize("lora", [True, False])
-def test_gradients_identical_for_1x8_2x4_8x1(lora):
+@pytest.mark.parametrize("impl, chunk_mb", [("chunked", ONE_CHUNK), ("chunked", SPLIT), ("fused", SPLIT)])
+def test_gradients_identical_for_1x8_2x4_8x1(lora, impl, chunk_mb):
+    """The plain graph (one chunk) and the chunk paths (3 chunks or more) alike."""
     student, teacher = student_and_teacher(lora)
-    loss_cfg = LossConfig(kd_ratio=0.4, temperature=2.0, num_chunks=3)
+    loss_cfg = LossConfig(kd_ratio=0.4, temperature=2.0, impl=impl, chunk_mb=chunk_mb)
     results = {m: run_split(student, teacher, m, loss_cfg) for m in (8, 4, 1)}
     g8, s8 = results[8]
     for m in (4, 1):
@@ -122,7 +128,7 @@ def test_kd_ratio_0_trains_without_the_teacher_exactly_as_with_it(impl):
     teacher = tiny_llama(seed=3).eval().requires_grad_(False)
     calls = []
     teacher.register_forward_pre_hook(lambda *a: calls.append(1))
-    loss_cfg = LossConfig(kd_ratio=0.0, num_chunks=3, impl=impl)
+    loss_cfg = LossConfig(kd_ratio=0.0, chunk_mb=chunk_mb_for(3, 4 * T, V), impl=impl)
     x, y = batch()
     results = {}
     for name, source in (("live", LiveTeacher(teacher, fused=impl == "fused")), ("free", TeacherFree(V))):

@@ -1,0 +1,253 @@
+"""The KD step's time against an earlier commit and against a plain CE step of the same student: whole jobs (CPU).
+
+Two teacher → student pairs:
+
+- ``embedded``: the default job (the zoo's tiny teacher and student, vocabulary 2,052, 2 × 8 × 128 tokens a step);
+- ``vocab512``: a tiny random-init HF Llama teacher (4 layers, hidden 128) and student (2 layers, hidden 64), both
+  4 heads and 2 KV heads, vocabulary 512 (a BPE tokenizer trained here on the embedded corpus), 4 × 256 tokens a
+  step in one micro-batch, LoRA r8 on q/k/v/o, alpha 16, dropout 0: the peer frameworks' tiny-Llama KD run.
+
+Arms, each one ``python -m kdsweep`` job of ``--steps`` steps (evaluations, checkpoints and exports off):
+``live`` and ``cache`` (``teacher.logits=cache``, ``sample`` k=12) with the default ``loss.impl``, and both with
+``loss.impl=chunked``; each runs on this tree and, with ``--base REV``, on that commit (its worktree and venv under
+``$AB_ROOT``, default ``/tmp/kdsweep-ab``, shared with ``../shared/tools/ab_step.sh``). ``limit``: the same student
+(the same LoRA) in a process of its own, stepping ``F.cross_entropy`` on its full logits, one backward per
+micro-batch, the same AdamW and the same micro-batches' shapes: the least a step of this student can cost, which a
+cached step (the same plus reading its targets) is compared with. A first, unmeasured run of every arm builds what
+it caches; then ``--repeats`` interleaved rounds (every arm of every side in turn). Reported: per arm and side the
+median over rounds of each job's median ``step_s`` after its first 5 steps; head/base and cache/limit ratios; and,
+with ``--profile``, ``run_backward`` calls per micro-batch in a cProfile of ``--profile`` cached steps.
+
+    python benchmarks/step_time.py [--base 039b9d0] [--repeats 5] [--steps 60] [--pairs embedded vocab512]
+                                   [--profile 120] [--work DIR] [--out benchmarks/results/step_time.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime
+import json
+import os
+import platform
+import pstats
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+COMMON = ["train.eval_every=100000", "train.log_every=1", "checkpoint.save_every=0", "checkpoint.export_adapter=false",
+          "checkpoint.export_merged=false", "logger.progress_bar=false"]
+ARMS = {"live": [], "live_chunked": ["loss.impl=chunked"], "cache": ["teacher.logits=cache"],
+        "cache_chunked": ["teacher.logits=cache", "loss.impl=chunked"]}
+VOCAB512 = {"vocab": 512, "seq": 256, "batch": 4, "micro": 4,
+            "teacher": dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4),
+            "student": dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2)}
+SKIP = 5  # the first steps of a job (allocator warm-up, the first read of the cache) are not its pace
+
+
+def build_vocab512(work: Path) -> Path:
+    """The 512-vocabulary pair, in HF format with its tokenizer, once."""
+    models = work / "vocab512"
+    if (models / "done").exists():
+        return models
+    import torch
+    from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from kdsweep.data.text import embedded_corpus
+
+    special = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
+    tok = Tokenizer(tok_models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB512["vocab"], special_tokens=list(special.values()),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(embedded_corpus(eval_fraction=0.05, split_seed=1234).train, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, **special)
+    for seed, name in enumerate(("teacher", "student")):
+        torch.manual_seed(seed)
+        config = LlamaConfig(vocab_size=len(tokenizer), num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=512, tie_word_embeddings=False, use_cache=False,
+                             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                             pad_token_id=tokenizer.pad_token_id, **VOCAB512[name])
+        LlamaForCausalLM(config).save_pretrained(models / name)
+        tokenizer.save_pretrained(models / name)
+    (models / "done").write_text("")
+    return models
+
+
+def pair_overrides(pair: str, work: Path) -> list[str]:
+    if pair == "embedded":
+        return []
+    m, v = build_vocab512(work), VOCAB512
+    return [f"model.path={m / 'student'}", f"teacher.path={m / 'teacher'}", "lora_rank=8", "model.lora_alpha=16",
+            "model.lora_dropout=0", "model.target_modules=[q_proj,k_proj,v_proj,o_proj]", f"data.seq_len={v['seq']}",
+            f"data.batch_size={v['batch']}", f"data.micro_batch_size={v['micro']}", f"data.eval_batch_size={v['batch']}"]
+
+
+def base_python(rev: str) -> tuple[Path, Path]:
+    """The python of a worktree of ``rev`` with its own venv (made once, as ab_step.sh makes it), and its cache."""
+    sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short=12", rev], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    tree = Path(os.environ.get("AB_ROOT", Path(tempfile.gettempdir()) / "kdsweep-ab")) / f"tree-{sha}"
+    if not (tree / ".ab-ok").exists():
+        subprocess.run(["rm", "-rf", str(tree)], check=True)
+        subprocess.run(["git", "-C", str(REPO), "worktree", "prune"], check=True)
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), sha], check=True,
+                       capture_output=True)
+        subprocess.run([sys.executable, "-m", "venv", str(tree / ".venv")], check=True)
+        pip = str(tree / ".venv" / "bin" / "pip")
+        subprocess.run([pip, "install", "-q", "torch==2.13.0"], check=True)
+        subprocess.run([pip, "install", "-q", "-e", str(tree)], check=True)
+        (tree / ".ab-ok").write_text("")
+    return tree / ".venv" / "bin" / "python", tree / ".ab-cache"
+
+
+def median_step_s(run_dir: Path) -> float:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return statistics.median([r["step_s"] for r in rows if r.get("kind") == "train"][SKIP:])
+
+
+def kdsweep_job(python: Path, cache: Path, overrides: list[str], run_dir: Path, profile: Path | None = None) -> float:
+    env = {**os.environ, "KDSWEEP_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    prof = ["-m", "cProfile", "-o", str(profile)] if profile else []
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{run_dir}.log", "w") as log:
+        done = subprocess.run([str(python), *prof, "-m", "kdsweep", *COMMON, *overrides, f"hydra.run.dir={run_dir}"],
+                              stdout=log, stderr=subprocess.STDOUT, env=env, cwd=run_dir.parent)
+    if done.returncode:
+        raise SystemExit(f"{run_dir.name} failed: {Path(f'{run_dir}.log').read_text().strip().splitlines()[-1]}")
+    return median_step_s(run_dir)
+
+
+def limit_step(student_dir: str, lora: dict, micro: list[int], steps: int, lr: float, out: Path) -> None:
+    """The plain step of the student (run in its own process by :func:`limit_job`): LoRA as kdsweep puts it on,
+    ``F.cross_entropy`` on the full logits of each micro-batch ``micro`` = [count, rows, length], one backward each,
+    AdamW; writes each step's seconds (timed as kdsweep's ``step_s``: from the batch to the optimizer's step)."""
+    import torch
+    import torch.nn.functional as F
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(student_dir, dtype=torch.float32), LoraConfig(**lora))
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr)
+    vocab, (count, rows, length) = model.config.vocab_size, micro
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        for _ in range(count):
+            ids = torch.randint(0, vocab, (rows, length))
+            logits = model(input_ids=ids).logits
+            F.cross_entropy(logits.reshape(-1, vocab), ids.reshape(-1)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    out.write_text(json.dumps(times))
+
+
+def limit_job(pair: str, work: Path, steps: int, out: Path) -> float:
+    """The ``limit`` arm: :func:`limit_step` in a fresh process; its median step after the first :data:`SKIP`."""
+    if pair == "embedded":
+        from kdsweep.models.zoo import model_dir
+
+        student, v = str(model_dir("tiny-student")), {"micro": [2, 8, 128]}
+        lora = dict(r=8, lora_alpha=16.0, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                            "gate_proj", "up_proj", "down_proj",
+                                                                            "lm_head"])
+    else:
+        student, v = str(build_vocab512(work) / "student"), {"micro": [1, VOCAB512["micro"], VOCAB512["seq"]]}
+        lora = dict(r=8, lora_alpha=16.0, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    arg = json.dumps({"student": student, "lora": lora, "micro": v["micro"], "steps": steps, "lr": 1e-3,
+                      "out": str(out)})
+    subprocess.run([sys.executable, __file__, "--limit-job", arg], check=True, env={**os.environ,
+                   "PYTHONPATH": str(REPO)})
+    return statistics.median(json.loads(out.read_text())[SKIP:])
+
+
+def backward_calls(profile: Path, steps: int, micro: int) -> dict[str, float]:
+    stats = pstats.Stats(str(profile)).stats  # type: ignore[attr-defined]
+    calls = sum(v[1] for (_, _, name), v in stats.items() if name == "<method 'run_backward' of 'torch._C._EngineBase' objects>")
+    return {"run_backward_calls": calls, "steps": steps, "micro_batches": steps * micro,
+            "per_micro_batch": calls / (steps * micro)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", help="an earlier commit to compare with (its own worktree and venv)")
+    ap.add_argument("--pairs", nargs="+", default=["embedded", "vocab512"], choices=["embedded", "vocab512"])
+    ap.add_argument("--arms", nargs="+", default=[*ARMS, "limit"], choices=[*ARMS, "limit"])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--profile", type=int, default=120, help="cached steps profiled with cProfile (0: none)")
+    ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "kdsweep-step-time")
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "step_time.json")
+    ap.add_argument("--limit-job", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.limit_job:
+        spec = json.loads(args.limit_job)
+        return limit_step(spec["student"], spec["lora"], spec["micro"], spec["steps"], spec["lr"], Path(spec["out"]))
+    head = (Path(os.environ.get("AB_PY", REPO / ".venv" / "bin" / "python")), args.work / "cache-head")
+    sides = {"head": head, **({"base": base_python(args.base)} if args.base else {})}
+    steps = [f"train.max_steps={args.steps}"]
+    jobs = [(pair, arm, side) for pair in args.pairs for arm in args.arms if arm != "limit" for side in sides]
+    runs = args.work / "runs" / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    for pair, arm, side in jobs:  # builds the zoo, the tokenization and the teacher caches: not measured
+        python, cache = sides[side]
+        kdsweep_job(python, cache, [*steps, *pair_overrides(pair, args.work), *ARMS[arm]], runs / f"warm-{pair}-{arm}-{side}")
+    times: dict[str, dict[str, dict[str, list[float]]]] = {p: {} for p in args.pairs}
+    for r in range(args.repeats):
+        for pair in args.pairs:
+            for arm in args.arms:
+                for side in ["limit"] if arm == "limit" else sides:
+                    run = runs / f"{pair}-{arm}-{side}-{r}"
+                    if arm == "limit":
+                        t = limit_job(pair, args.work, args.steps, Path(f"{run}.json"))
+                    else:
+                        python, cache = sides[side]
+                        t = kdsweep_job(python, cache, [*steps, *pair_overrides(pair, args.work), *ARMS[arm]], run)
+                    times[pair].setdefault(arm, {}).setdefault(side, []).append(t)
+                    print(f"round {r}  {pair:<9} {arm:<14} {side:<5} {t * 1e3:8.1f} ms", flush=True)
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "host": platform.node(), "cpus": os.cpu_count(), "repeats": args.repeats, "steps": args.steps,
+              "skip": SKIP, "base": args.base, "git_sha": subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short",
+                                                                           "HEAD"], capture_output=True, text=True).stdout.strip(),
+              "command": "python benchmarks/step_time.py " + " ".join(sys.argv[1:]), "pairs": {}}
+    for pair, arms in times.items():
+        med = {arm: {side: statistics.median(ts) for side, ts in by_side.items()} for arm, by_side in arms.items()}
+        out = {"step_s": med, "runs_s": arms}
+        if args.base:
+            out["head_over_base"] = {a: m["head"] / m["base"] for a, m in med.items() if "base" in m}
+        if "limit" in med:
+            out["over_limit"] = {a: m["head"] / med["limit"]["limit"] for a, m in med.items() if "head" in m}
+        result["pairs"][pair] = out
+    if args.profile:
+        micro = {"embedded": 2, "vocab512": 1}
+        for pair in args.pairs:
+            prof = runs / f"profile-{pair}.prof"
+            kdsweep_job(head[0], head[1], [f"train.max_steps={args.profile}", *pair_overrides(pair, args.work),
+                                           *ARMS["cache"]], runs / f"profile-{pair}", profile=prof)
+            result["pairs"][pair]["profile_cache"] = backward_calls(prof, args.profile, micro[pair])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    for pair, out in result["pairs"].items():
+        print(f"\n{pair}: median step_s (ms) over {args.repeats} interleaved rounds")
+        for arm, m in out["step_s"].items():
+            cols = "  ".join(f"{side} {t * 1e3:7.1f}" for side, t in m.items())
+            ratio = f"  head/base {out['head_over_base'][arm]:.2f}" if arm in out.get("head_over_base", {}) else ""
+            lim = f"  head/limit {out['over_limit'][arm]:.2f}" if arm in out.get("over_limit", {}) and arm != "limit" else ""
+            print(f"  {arm:<14} {cols}{ratio}{lim}")
+        if "profile_cache" in out:
+            p = out["profile_cache"]
+            print(f"  cProfile of {p['steps']} cached steps: {p['per_micro_batch']:.2f} run_backward per micro-batch")
+    print(f"\nsaved {args.out}")
+
+
+if __name__ == "__main__":
+    main()
