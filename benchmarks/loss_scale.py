@@ -16,10 +16,11 @@ a Qwen3 teacher (hidden 128, 151,936 output rows). Each arm is one ``python -m k
 
 Reported per arm: the peak resident memory of the job's trial (``peak_mem_mb`` of its train rows: ``VmHWM`` from the
 trial's start, models loaded, evaluations included), the job's whole-life peaks of anonymous and file-backed
-resident memory (``rss_anon_peak_mb``, ``rss_file_peak_mb``: a memory-mapped cache's pages are file-backed), the median ``step_s`` over its steps after the first, and the
-peak above ``ce_only``'s, in units of one ``[chunk, V]`` fp32 buffer (chunk: the tokens of one of the chunks the
-default ``loss.chunk_mb`` splits the student's micro-batch into, kdsweep.train.chunks; V the larger vocabulary). Ratios: each cross-tokenizer arm's time over the same-tokenizer live arm's of its loss kind,
-each fused arm's over its chunked twin's. A second size (``--tokens 2048 8192``) repeats the arms (``--arms`` picks).
+resident memory (``rss_anon_peak_mb``, ``rss_file_peak_mb``: a memory-mapped cache's pages are file-backed), the
+median ``step_s`` over its steps after the first, and the peak above ``ce_only``'s, in units of one ``[chunk, V]``
+fp32 buffer (chunk: the tokens of one of the chunks the default ``loss.chunk_mb`` splits the student's micro-batch
+into, kdsweep.train.chunks; V the larger vocabulary). Ratios: each cross-tokenizer arm's time over the same-tokenizer
+live arm's of its loss kind, each fused arm's over its chunked twin's. A second size (``--tokens 2048 8192``) repeats the arms (``--arms`` picks).
 
     python benchmarks/loss_scale.py [--tokens 2048 8192] [--steps 3] [--threads 2] [--arms ...] [--work DIR]
                                     [--out benchmarks/results/loss_scale.json]

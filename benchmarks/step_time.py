@@ -86,7 +86,8 @@ def pair_overrides(pair: str, work: Path) -> list[str]:
     m, v = build_vocab512(work), VOCAB512
     return [f"model.path={m / 'student'}", f"teacher.path={m / 'teacher'}", "lora_rank=8", "model.lora_alpha=16",
             "model.lora_dropout=0", "model.target_modules=[q_proj,k_proj,v_proj,o_proj]", f"data.seq_len={v['seq']}",
-            f"data.batch_size={v['batch']}", f"data.micro_batch_size={v['micro']}", f"data.eval_batch_size={v['batch']}"]
+            f"data.batch_size={v['batch']}", f"data.micro_batch_size={v['micro']}",
+            f"data.eval_batch_size={v['batch']}"]
 
 
 def base_python(rev: str) -> tuple[Path, Path]:
@@ -173,7 +174,8 @@ def limit_job(pair: str, work: Path, steps: int, out: Path) -> float:
 
 def backward_calls(profile: Path, steps: int, micro: int) -> dict[str, float]:
     stats = pstats.Stats(str(profile)).stats  # type: ignore[attr-defined]
-    calls = sum(v[1] for (_, _, name), v in stats.items() if name == "<method 'run_backward' of 'torch._C._EngineBase' objects>")
+    backward = "<method 'run_backward' of 'torch._C._EngineBase' objects>"
+    calls = sum(v[1] for (_, _, name), v in stats.items() if name == backward)
     return {"run_backward_calls": calls, "steps": steps, "micro_batches": steps * micro,
             "per_micro_batch": calls / (steps * micro)}
 
@@ -200,7 +202,8 @@ def main() -> None:
     runs = args.work / "runs" / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     for pair, arm, side in jobs:  # builds the zoo, the tokenization and the teacher caches: not measured
         python, cache = sides[side]
-        kdsweep_job(python, cache, [*steps, *pair_overrides(pair, args.work), *ARMS[arm]], runs / f"warm-{pair}-{arm}-{side}")
+        kdsweep_job(python, cache, [*steps, *pair_overrides(pair, args.work), *ARMS[arm]],
+                    runs / f"warm-{pair}-{arm}-{side}")
     times: dict[str, dict[str, dict[str, list[float]]]] = {p: {} for p in args.pairs}
     for r in range(args.repeats):
         for pair in args.pairs:
@@ -214,10 +217,10 @@ def main() -> None:
                         t = kdsweep_job(python, cache, [*steps, *pair_overrides(pair, args.work), *ARMS[arm]], run)
                     times[pair].setdefault(arm, {}).setdefault(side, []).append(t)
                     print(f"round {r}  {pair:<9} {arm:<14} {side:<5} {t * 1e3:8.1f} ms", flush=True)
+    sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "host": platform.node(), "cpus": os.cpu_count(), "repeats": args.repeats, "steps": args.steps,
-              "skip": SKIP, "base": args.base, "git_sha": subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short",
-                                                                           "HEAD"], capture_output=True, text=True).stdout.strip(),
+              "skip": SKIP, "base": args.base, "git_sha": sha.stdout.strip(),
               "command": "python benchmarks/step_time.py " + " ".join(sys.argv[1:]), "pairs": {}}
     for pair, arms in times.items():
         med = {arm: {side: statistics.median(ts) for side, ts in by_side.items()} for arm, by_side in arms.items()}
@@ -241,7 +244,8 @@ def main() -> None:
         for arm, m in out["step_s"].items():
             cols = "  ".join(f"{side} {t * 1e3:7.1f}" for side, t in m.items())
             ratio = f"  head/base {out['head_over_base'][arm]:.2f}" if arm in out.get("head_over_base", {}) else ""
-            lim = f"  head/limit {out['over_limit'][arm]:.2f}" if arm in out.get("over_limit", {}) and arm != "limit" else ""
+            limit = out.get("over_limit", {})
+            lim = f"  head/limit {limit[arm]:.2f}" if arm in limit and arm != "limit" else ""
             print(f"  {arm:<14} {cols}{ratio}{lim}")
         if "profile_cache" in out:
             p = out["profile_cache"]

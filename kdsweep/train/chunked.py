@@ -23,9 +23,9 @@ def chunk_gradients(x: torch.Tensor, targets: Targets, labels: torch.Tensor, *, 
                     divergence: str = "forward_kl", beta: float = 0.5, temperature: float = 1.0,
                     ignore_index: int = -100) -> Iterator[tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]]:
     """For each token chunk of ``x`` ``[N, ...]`` (the student's logits, or the hidden states ``project`` turns into
-    them; the loss settings as for ``kd_loss_sums``): ``[Σce, Σkd, Σkl]`` of the chunk (detached) and the gradients of ``(1 - kd_ratio)·Σce +
-    kd_ratio·Σkd`` with respect to the chunk of ``x`` and to ``wrt`` (None where unused), taken before the next
-    chunk's loss runs."""
+    them; the loss settings as for ``kd_loss_sums``): ``[Σce, Σkd, Σkl]`` of the chunk (detached) and the gradients of
+    ``(1 - kd_ratio)·Σce + kd_ratio·Σkd`` with respect to the chunk of ``x`` and to ``wrt`` (None where unused), taken
+    before the next chunk's loss runs."""
     for (x_c, y_c), t_c in zip(split_like(targets, num_chunks, x, labels.reshape(-1)), targets.split(num_chunks)):
         with torch.enable_grad():
             leaf = x_c.detach().requires_grad_()

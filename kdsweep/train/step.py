@@ -161,7 +161,8 @@ def evaluate(
 
     Computed in chunks as the training step's are (``loss_cfg``'s impl; ``chunks`` as for :func:`micro_batch_backward`:
     the same on every rank, since a fused evaluation's projection is a collective), so evaluation never holds more
-    fp32 logits than a training step does. The KL is at the targets' ``kl_temperature`` (1 for a live teacher or a full cache).
+    fp32 logits than a training step does. The KL is at the targets' ``kl_temperature`` (1 for a live teacher or a
+    full cache).
     """
     student.eval()
     teacher.prefetch(batches)

@@ -152,7 +152,8 @@ def test_the_fused_loss_across_tokenizers_trains_as_the_chunked_one(cross_runs, 
     the student's chunk by chunk): the chunked job's numbers on 1 rank, and on 2 FSDP ranks."""
     runs = {"one": [], "two": ["dist=fsdp2_local"]}
     with ThreadPoolExecutor(2) as pool:
-        done = [pool.submit(kdsweep, "teacher=tiny_other", "loss.cross_tokenizer=gold", "loss.impl=fused", *SPLIT, *SHORT, *extra,
+        done = [pool.submit(kdsweep, "teacher=tiny_other", "loss.cross_tokenizer=gold", "loss.impl=fused", *SPLIT,
+                            *SHORT, *extra,
                             f"hydra.run.dir={tmp_path / name}", cwd=tmp_path) for name, extra in runs.items()]
         for job in done:
             job.result()

@@ -1,7 +1,7 @@
 """The teacher-logit cache in real jobs: ``method=full`` trains exactly as the live teacher (every divergence, 1 and 2
-ranks, packed and padded rows, the cache's loss in 3 chunks and the live one's in one); a cache built by 2 ranks is the cache built by 1; editing the teacher gives a new
-cache, moving it does not; a sweep runs one teacher pass and no other trial loads the teacher (local trials, and
-2-rank SLURM trials); bad input is one line before anything runs."""
+ranks, packed and padded rows, the cache's loss in 3 chunks and the live one's in one); a cache built by 2 ranks is
+the cache built by 1; editing the teacher gives a new cache, moving it does not; a sweep runs one teacher pass and no
+other trial loads the teacher (local trials, and 2-rank SLURM trials); bad input is one line before anything runs."""
 
 from __future__ import annotations
 
