@@ -14,7 +14,8 @@ Arms, each one ``python -m kdsweep`` job of ``--steps`` steps (evaluations, chec
 (the same LoRA) in a process of its own, stepping ``F.cross_entropy`` on its full logits, one backward per
 micro-batch, the same AdamW and the same micro-batches' shapes: the least a step of this student can cost, which a
 cached step (the same plus reading its targets) is compared with. A first, unmeasured run of every arm builds what
-it caches; then ``--repeats`` interleaved rounds (every arm of every side in turn). Reported: per arm and side the
+it caches; then ``--repeats`` interleaved rounds (every arm of every side in turn, the sides' order reversed every
+other round). Reported: per arm and side the
 median over rounds of each job's median ``step_s`` after its first 5 steps; head/base and cache/limit ratios; and,
 with ``--profile``, ``run_backward`` calls per micro-batch in a cProfile of ``--profile`` cached steps.
 
@@ -208,7 +209,8 @@ def main() -> None:
     for r in range(args.repeats):
         for pair in args.pairs:
             for arm in args.arms:
-                for side in ["limit"] if arm == "limit" else sides:
+                order = list(sides) if r % 2 == 0 else list(reversed(sides))  # ABBA: no side always runs first
+                for side in ["limit"] if arm == "limit" else order:
                     run = runs / f"{pair}-{arm}-{side}-{r}"
                     if arm == "limit":
                         t = limit_job(pair, args.work, args.steps, Path(f"{run}.json"))

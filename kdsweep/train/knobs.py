@@ -69,6 +69,9 @@ def warn_idle_knobs(cfg: RunConfig, dist: DistEnv) -> None:
             if changed(cfg.loss, LossConfig(), knob):
                 log.warning("loss.%s has no effect with kd_ratio=0: the training steps run without the teacher (the "
                             "evaluations measure KL at T=1)", knob)
+    if cfg.loss.impl == "dense" and changed(cfg.loss, LossConfig(), "chunk_mb"):
+        log.warning("loss.chunk_mb=%g has no effect with loss.impl=dense (the loss is one chunk whatever its size)",
+                    cfg.loss.chunk_mb)
     if cfg.teacher.chat_template is not None and not reads_chat_in_own_template(cfg):
         log.warning("teacher.chat_template has no effect: only a teacher with another tokenizer than the student's "
                     "reads chat data in its own template")
