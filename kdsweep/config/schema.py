@@ -7,6 +7,8 @@ whose message names the field and the fix.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field, replace
 
 
@@ -326,6 +328,13 @@ class LossConfig:
     gold_unmatched_weight: float | None = None
     """gold's weight of ULD over the tokens the vocabularies do not share; None: 1 − the matched weight."""
 
+    def chunks_for(self, tokens: int, vocab: int) -> int:
+        """The token chunks of a micro-batch of ``tokens`` tokens over a vocabulary of ``vocab`` (the student's output
+        rows): ceil(tokens·vocab·4 B / chunk_mb), one for ``impl=dense`` (kdsweep.train.chunks says why)."""
+        if self.impl == "dense":
+            return 1
+        return max(1, math.ceil(tokens * vocab * 4 / (self.chunk_mb * 2**20)))
+
     def __post_init__(self) -> None:
         _check(
             0.0 <= self.kd_ratio <= 1.0,
@@ -644,6 +653,20 @@ class RunConfig:
             f"profiler.wait+warmup+active={pr.wait + pr.warmup + pr.active} steps exceed train.max_steps="
             f"{self.train.max_steps}, so no trace would be written; lower profiler.active or profiler.wait",
         )
+
+    def loss_chunks(self, vocab: int) -> dict[str, int]:
+        """The loss's chunks per training micro-batch and per held-out batch, from the configured sizes (``data``'s
+        ``micro_batch_size`` and ``eval_batch_size`` × ``seq_len``), so every rank and batch takes the same path;
+        ``vocab``: the student's output rows."""
+        d = self.data
+        return {"train": self.loss.chunks_for(d.micro_batch_size * d.seq_len, vocab),
+                "eval": self.loss.chunks_for(d.eval_batch_size * d.seq_len, vocab)}
+
+    def teacher_gives_hidden(self, vocab: int) -> bool:
+        """Whether a live teacher gives its final hidden states (and its output layer) instead of its logits: for the
+        fused loss when it splits (:meth:`loss_chunks`), so that no ``[N, V]`` teacher logits exist; otherwise its own
+        forward's logits, which the plain graph reads at once."""
+        return self.loss.impl == "fused" and max(self.loss_chunks(vocab).values()) > 1
 
     def teacher_views(self) -> list[tuple[float, "RunConfig"]]:
         """Each teacher's weight and the config as that teacher's alone (``teacher`` is it, ``teachers`` empty):

@@ -146,7 +146,8 @@ def cross_pair(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: RunDa
     scoring = {"student_vocab": len(s_tok), "loss": loss.cross_tokenizer, "vocab_map": vocab_map,
                "w_matched": loss.gold_matched_weight, "w_unmatched": loss.gold_unmatched_weight,
                "kl_divergence": loss.divergence, "kl_beta": loss.beta}
-    return CrossPair(reads, scoring, teacher_vocab=int(t_conf.vocab_size), record=record, fused=loss.impl == "fused")
+    return CrossPair(reads, scoring, teacher_vocab=int(t_conf.vocab_size), record=record,
+                     fused=cfg.teacher_gives_hidden(vocab_size(student_dir)))
 
 
 def open_teacher(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: RunData, dist: DistEnv,
@@ -172,7 +173,7 @@ def open_teacher(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: Run
         if cross_tokenizer(cfg):
             pair = cross_pair(cfg, teacher_dir, student_dir, data, device)
             return Teacher(pair.live(model, "train"), pair.live(model, "eval"), {**held, **pair.record}, identity)
-        live = LiveTeacher(model, fused=cfg.loss.impl == "fused")
+        live = LiveTeacher(model, fused=cfg.teacher_gives_hidden(vocab_size(student_dir)))
         return Teacher(live, live, {**held, "teacher_ce": "exact", "kl": "exact (T=1)"}, identity)
     if cross_tokenizer(cfg):
         return cached_teacher(cfg, teacher_dir, student_dir, data, dist, device, announce, load,

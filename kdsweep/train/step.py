@@ -17,7 +17,7 @@ from kdsweep.losses.targets import Targets
 from kdsweep.models.heads import final_hidden, frozen_projection
 from kdsweep.teacher.source import TeacherSource
 from kdsweep.train.chunked import chunked_loss_sums
-from kdsweep.train.chunks import chunks_for, output_rows, pieces_for
+from kdsweep.train.chunks import output_rows, pieces_for
 from kdsweep.train.fused import fused_loss_sums
 
 
@@ -46,7 +46,8 @@ def micro_batch_backward(student: nn.Module, teacher: TeacherSource, batch: Batc
     hidden states through the output layer (fused: the B×T×V logits never exist); each chunk is differentiated at
     once, and the step's one backward runs the model's from what they kept. ``compute``: what the forwards and the
     loss run under (autocast), not the backward. ``chunks``: how many (the same on every rank, from the configured
-    micro-batch: :func:`~kdsweep.train.chunks.chunks_for`); None: from this batch's own size (one process)."""
+    micro-batch: :meth:`~kdsweep.config.schema.RunConfig.loss_chunks`); None: from this batch's own size (one
+    process)."""
     kw = {"divergence": loss_cfg.divergence, "beta": loss_cfg.beta, "temperature": loss_cfg.temperature,
           "ignore_index": loss_cfg.ignore_index}
     kd_ratio = batch.kd_weight(loss_cfg.kd_ratio)
@@ -54,7 +55,7 @@ def micro_batch_backward(student: nn.Module, teacher: TeacherSource, batch: Batc
         with compute():
             targets = held.enter_context(teacher.targets(batch))  # a live teacher's forward runs here
             tokens, vocab = batch.labels.numel(), output_rows(student)
-            chunks = chunks_for(loss_cfg, tokens, vocab) if chunks is None else chunks
+            chunks = loss_cfg.chunks_for(tokens, vocab) if chunks is None else chunks
             if chunks == 1:  # the plain graph (in cache-sized pieces on a CPU, still one graph)
                 sums = kd_loss_sums(student(**batch.inputs()).logits, targets, batch.labels,  # no **kw: see chunked
                                     num_chunks=pieces_for(batch.labels.device, tokens, vocab), once=True,
@@ -76,7 +77,7 @@ def _eval_chunks(student: nn.Module, targets: Targets, batch: Batch, loss_cfg: L
     with ``loss.impl=fused`` and more than one chunk, each student chunk is projected from the final hidden states on
     its own, so no B×T×V tensor exists."""
     y, vocab = batch.labels.reshape(-1), output_rows(student)
-    chunks = chunks_for(loss_cfg, y.numel(), vocab) if chunks is None else chunks
+    chunks = loss_cfg.chunks_for(y.numel(), vocab) if chunks is None else chunks
     if chunks == 1 or loss_cfg.impl != "fused":
         chunks = pieces_for(y.device, y.numel(), vocab) if chunks == 1 else chunks
         s_logits = student(**batch.inputs()).logits

@@ -28,7 +28,7 @@ from kdsweep.rollout import open_rollout
 from kdsweep.train import schedule
 from kdsweep.train.baseline import baseline, baseline_path
 from kdsweep.train.sources import Sources
-from kdsweep.train.chunks import chunks_for, output_rows
+from kdsweep.train.chunks import output_rows
 from kdsweep.train.step import Batch, EvalResult, evaluate
 
 log = logging.getLogger(__name__)
@@ -116,9 +116,7 @@ def start_trial(cfg: RunConfig, dist: DistEnv, device: torch.device, src: Source
     )
     scheduler = schedule.build(optimizer, o, cfg.train.max_steps)
     eval_batches = eval_batches_of_rank(src.eval_rows, cfg.data.eval_batch_size, dist, device)
-    vocab, d = output_rows(student), cfg.data
-    chunks = {"train": chunks_for(cfg.loss, d.micro_batch_size * d.seq_len, vocab),
-              "eval": chunks_for(cfg.loss, d.eval_batch_size * d.seq_len, vocab)}
+    chunks = cfg.loss_chunks(output_rows(student))
     log.info("the loss runs in %d chunk(s) per micro-batch (%d per held-out batch): loss.chunk_mb=%g, impl=%s",
              chunks["train"], chunks["eval"], cfg.loss.chunk_mb, cfg.loss.impl)
 

@@ -36,17 +36,15 @@ def test_every_divergence_and_beta_end_is_accepted(divergence, beta):
 def test_the_chunks_are_as_many_as_the_byte_budget_asks():
     """ceil(tokens · vocab · 4 B / chunk_mb): a real vocabulary in chunks of at most 128 MiB, a small model's whole
     loss in one (the plain graph), dense always one."""
-    from kdsweep.train.chunks import chunks_for
-
     default = LossConfig()
     assert default.impl == "auto" and default.chunk_mb == 128.0
-    assert chunks_for(default, 2048, 128256) == 8  # 1,002 MiB: Llama-3's vocabulary, 2,048 tokens
-    assert chunks_for(default, 2048, 151936) == 10  # Qwen3's output rows: 1,187 MiB
-    assert chunks_for(default, 8192, 128256) == 32
-    assert chunks_for(default, 1024, 2052) == 1  # the embedded default's micro-batch: 8 MiB
-    assert chunks_for(LossConfig(chunk_mb=0.5), 1024, 512) == 4  # 2 MiB exactly
-    assert chunks_for(LossConfig(chunk_mb=0.5), 1025, 512) == 5
-    assert chunks_for(LossConfig(impl="dense", chunk_mb=0.001), 8192, 128256) == 1
+    assert default.chunks_for(2048, 128256) == 8  # 1,002 MiB: Llama-3's vocabulary, 2,048 tokens
+    assert default.chunks_for(2048, 151936) == 10  # Qwen3's output rows: 1,187 MiB
+    assert default.chunks_for(8192, 128256) == 32
+    assert default.chunks_for(1024, 2052) == 1  # the embedded default's micro-batch: 8 MiB
+    assert LossConfig(chunk_mb=0.5).chunks_for(1024, 512) == 4  # 2 MiB exactly
+    assert LossConfig(chunk_mb=0.5).chunks_for(1025, 512) == 5
+    assert LossConfig(impl="dense", chunk_mb=0.001).chunks_for(8192, 128256) == 1
 
 
 @pytest.mark.parametrize(
