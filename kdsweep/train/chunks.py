@@ -24,7 +24,7 @@ from kdsweep.distributed.fsdp import hf_model
 FP32_BYTES = 4
 PIECE_BYTES = 2**18
 """The least a CPU's piece of the plain graph's loss holds (:func:`pieces_for`): 256 KiB of ``[piece, V]`` fp32."""
-MAX_PIECES = 8
+MAX_PIECES = 4
 """The most pieces the plain graph's loss is cut into (:func:`pieces_for`)."""
 
 
@@ -33,9 +33,10 @@ def pieces_for(device: torch.device, tokens: int, vocab: int) -> int:
     CPU as many as fill :data:`PIECE_BYTES` each, at most :data:`MAX_PIECES`, so that the loss's elementwise passes
     (log-softmax and its backward, the divergence, a gather's zero-filled gradient) run over tensors that stay in the
     CPU's caches and come from the allocator's free lists, while the pieces stay few enough for Python's overhead not
-    to show; on a GPU, one. Measured in whole jobs on 2 cores (one thread, interleaved): the 512-token vocabulary's
-    step in 8 pieces of 256 KiB matched the step before the byte budget (which cut its loss in 8), where 2 pieces of
-    1 MiB cost 2-3% more."""
+    to show; on a GPU, one. Measured (``benchmarks/loss_pieces.py``: the loss's forward and backward on 1,024 tokens,
+    piece counts interleaved in each process, 2 cores): 4 pieces is the fastest at the 512 and the 2,052-token
+    vocabularies of ``benchmarks/step_time.py``'s pairs; 1-3 cost 1.24-1.46x, 8 cost 1.40-1.61x (each piece's Python
+    and autograd overhead)."""
     if device.type != "cpu":
         return 1
     return max(1, min(MAX_PIECES, math.ceil(tokens * vocab * FP32_BYTES / PIECE_BYTES)))
