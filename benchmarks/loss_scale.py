@@ -20,7 +20,8 @@ resident memory (``rss_anon_peak_mb``, ``rss_file_peak_mb``: a memory-mapped cac
 median ``step_s`` over its steps after the first, and the peak above ``ce_only``'s, in units of one ``[chunk, V]``
 fp32 buffer (chunk: the tokens of one of the chunks the default ``loss.chunk_mb`` splits the student's micro-batch
 into, LossConfig.chunks_for; V the larger vocabulary). Ratios: each cross-tokenizer arm's time over the same-tokenizer
-live arm's of its loss kind, each fused arm's over its chunked twin's. A second size (``--tokens 2048 8192``) repeats the arms (``--arms`` picks).
+live arm's of its loss kind, each fused arm's over its chunked twin's. A second size (``--tokens 2048 8192``)
+repeats the arms (``--arms`` picks).
 
     python benchmarks/loss_scale.py [--tokens 2048 8192] [--steps 3] [--threads 2] [--arms ...] [--work DIR]
                                     [--out benchmarks/results/loss_scale.json]
