@@ -8,7 +8,6 @@ whose message names the field and the fix.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field, replace
 
 

@@ -73,3 +73,17 @@ def test_train_step_passes_the_divergence_settings(divergence, beta, impl):
     stats = train_step(student, LiveTeacher(teacher, fused=impl == "fused"), [Batch(x, y)], opt, sched, loss_cfg=cfg, max_grad_norm=0.0, dist=single_process())
     assert stats.kd == pytest.approx((want.kd / want.tokens).item(), rel=1e-5)
     assert stats.kl == pytest.approx((want.kl / want.tokens).item(), rel=1e-5)
+
+
+def test_a_live_teacher_gives_hidden_states_only_when_the_fused_loss_splits():
+    """The teacher's side follows the student's chunk count: logits for the plain graph (one chunk) and for the
+    chunked loss, hidden states (no [N, V] teacher logits) only for a fused loss of several chunks."""
+    from kdsweep.config.schema import DataConfig, RunConfig
+
+    data = DataConfig(seq_len=1024, micro_batch_size=2, eval_batch_size=2)
+    run = lambda **loss: RunConfig(output_dir="out", data=data, loss=LossConfig(**loss))  # noqa: E731
+    assert run(impl="fused").loss_chunks(128256) == {"train": 8, "eval": 8}
+    assert run(impl="fused").teacher_gives_hidden(128256)
+    assert not run(impl="fused").teacher_gives_hidden(2052)  # 16 MiB: one chunk, the plain graph
+    assert not run(impl="chunked").teacher_gives_hidden(128256)
+    assert not run(impl="fused", chunk_mb=2048.0).teacher_gives_hidden(128256)
