@@ -128,10 +128,12 @@ class Rollout:
 
 def open_rollout(cfg: RunConfig, student: nn.Module, teacher: Any, tokenizer: Any, dist: DistEnv,
                  device: torch.device) -> OffPolicy | Rollout:
-    """The job's rollout; ``teacher`` is its live teacher source (a cache is refused with generation, earlier)."""
+    """The job's rollout; ``teacher``: the job's :class:`~kdsweep.teacher.job.Teacher`, whose evaluations read the
+    live teacher that generates (generation refuses a cache and several teachers, earlier); its training source may
+    be teacher-free (``kd_ratio=0`` with ``seq_kd``: the student trains on the teacher's completions by CE alone)."""
     if not cfg.rollout.active:
         return OffPolicy()
-    return Rollout(cfg, student, teacher.model, tokenizer, dist, device)
+    return Rollout(cfg, student, teacher.eval.model, tokenizer, dist, device)
 
 
 __all__ = ["OffPolicy", "Rollout", "StepWork", "open_rollout", "step_source"]

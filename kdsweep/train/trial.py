@@ -106,7 +106,7 @@ def start_trial(cfg: RunConfig, dist: DistEnv, device: torch.device, src: Source
                            src.plan.student)
     compute = lambda: Precision(cfg.train.dtype).autocast(device, sharded=src.plan.student.sharded)
     src.timings["student_s"] = time.perf_counter() - t0
-    rollout = open_rollout(cfg, student, src.teacher.train, src.tokenizer, dist, device)
+    rollout = open_rollout(cfg, student, src.teacher, src.tokenizer, dist, device)
 
     torch.manual_seed(cfg.train.seed + dist.rank)  # dropout: each rank its own stream, as each has its own data
     o = cfg.optim

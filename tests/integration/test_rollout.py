@@ -96,6 +96,31 @@ def test_seq_kd_and_half_on_policy_steps_follow_the_seeded_draw(instructions, tm
     assert cost["train_tokens"] == sum(r["generated_tokens"] for r in lines)
 
 
+def test_seq_kd_at_kd_ratio_0_trains_on_the_teacher_s_completions_by_ce_alone(instructions, tmp_path):
+    """Kim & Rush's sequence-level KD: the teacher completes every step's prompts and the student learns them as
+    labels; at kd_ratio=0 no teacher target is computed for training (the training source is teacher-free), but the
+    teacher still generates. It crashed before (the rollout asked the teacher-free source for a model)."""
+    run_dir = tmp_path / "run"
+    kdsweep(*data(instructions), *SHORT, "rollout.seq_kd=true", "kd_ratio=0", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    lines = train_lines(run_dir)
+    assert [r["rollout"] for r in lines] == ["teacher"] * 3
+    for r in lines:
+        assert r["generated_tokens"] > 0 and r["loss"] == r["ce"] and r["kl"] is None, r  # no teacher targets: NaN
+    run = read_run(run_dir)
+    assert run["teacher_targets"]["training_steps"] == "without the teacher (kd_ratio=0)"
+    assert run["cost"]["teacher_tokens_generated"] == sum(r["generated_tokens"] for r in lines)
+
+
+def test_on_policy_at_kd_ratio_0_still_trains_the_kd_term_on_the_student_s_samples(instructions, tmp_path):
+    """λ = 1 with kd_ratio=0: the student's own samples have no gold labels, so their KD term carries the loss
+    whatever kd_ratio says (GKD): the teacher stays in training."""
+    run_dir = tmp_path / "run"
+    kdsweep(*data(instructions), *SHORT, "lmbda=1", "kd_ratio=0", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    for r in train_lines(run_dir):
+        assert r["rollout"] == "student" and r["loss"] == r["kd"] and r["kd"] > 0 and math.isfinite(r["kl"]), r
+    assert "training_steps" not in read_run(run_dir)["teacher_targets"]
+
+
 BAD = {
     "outside": (["lmbda=1.5"], "rollout.lmbda=1.5 is outside [0, 1]"),
     "text_data": (["lmbda=0.5", "data=text", "data.datasets.0.path={data}"], "text data has none; use data=instruction"),
