@@ -1,5 +1,8 @@
 """What a finished trial job means for its trial: COMPLETE, PRUNED, FAIL (with its one-line reason) or RETRY, from
-its exit code (or the scheduler's state), its run.json and its logs."""
+its exit code (or the scheduler's state), its run.json, its ranks' failure records and its logs. Decided once, from
+records and exit states, never from error text: a rank that failed on its own (it wrote a record that is not a lost
+peer's) fails the trial with its line; a rank lost to something outside the trial (killed, preempted, its node
+gone: no record of its own) is an interruption, retried up to ``retries`` times."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from kdsweep.metrics.records import failure_line
+from kdsweep.metrics.records import describe_failure, failure_line, rank_failures
 
 
 @dataclass
@@ -40,6 +43,9 @@ def judge(run_dir: Path, exit_code: int | str, objectives: tuple[str, ...], atte
     # of the job lost: rank 0 saw a peer's end through a collective (interrupted), or was ended by its launcher
     # before it could record anything (still running)
     killed = (isinstance(exit_code, int) and exit_code < 0) or (isinstance(exit_code, str) and status in (None, "running", "preempted"))
+    own = _own_failure(run_dir)
+    if own and status != "preempted":  # a rank failed on its own (an error, an OOM): the trial's fault, not retried
+        return Outcome("FAIL", reason=own[:500])
     if killed or status in ("preempted", "interrupted", "running"):
         ranks = _rank_failure(run_dir)
         why = f"the job was interrupted (exit {exit_code}{'; ' + ranks if ranks else ''})"
@@ -50,6 +56,13 @@ def judge(run_dir: Path, exit_code: int | str, objectives: tuple[str, ...], atte
     reason = (record.get("error") or next(filter(None, (_last_error_line(Path(p)) for p in reversed(logs))), "")
               or f"the job exited with {exit_code}")
     return Outcome("FAIL", reason=reason[:500])
+
+
+def _own_failure(run_dir: Path) -> str:
+    """The line of a rank that failed on its own (its record says so: not a peer lost, which a rank killed from
+    outside, with no record of its own, leaves), or ""."""
+    found = rank_failures(run_dir)
+    return describe_failure(found[0]) if found and not found[0]["peer_lost"] else ""
 
 
 def _rank_failure(run_dir: Path) -> str:

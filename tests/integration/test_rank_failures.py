@@ -1,9 +1,9 @@
 """One rank of a 2-rank job or warm worker fails: no rank enters another collective, and nothing is lost.
 
 A rank that raises mid-trial (``KDSWEEP_TEST_RAISE_AT``) and a rank killed with kill -9 (what the OOM killer does):
-with ``dist.timeout_s=600`` every rank of the worker is gone within a minute, the trial is retried from its
-checkpoint on a new worker (the rank's loss is the worker's fault, not the trial's), its history holds every step
-once, and the log of the collectives each rank issued (``KDSWEEP_COLLECTIVE_LOG``) shows that after the failure no
+with ``dist.timeout_s=600`` every rank of the worker is gone within a minute. The raised error is the trial's own:
+it is FAIL with rank 1's line, not retried. The killed rank is lost from outside: the trial is retried from its
+checkpoint on a new worker (the worker's fault, not the trial's), its history holds every step once, and the log of the collectives each rank issued (``KDSWEEP_COLLECTIVE_LOG``) shows that after the failure no
 rank started a collective but the one it was already blocked in, and none completed one. A plain 2-rank job whose
 rank fails ends in one line naming the rank and what it was doing; its traceback is in that rank's log.
 """
@@ -76,15 +76,25 @@ def failed_workers(tmp_path_factory, zoo_dirs):
         killed.code = proc.returncode
         result = done.result()
         raised.code, raised.out, raised.err = result.returncode, result.stdout, result.stderr
-        # when rank 1 failed: the mark it logged before it refused every collective (its failure record is gone with
-        # the retry's start: a record is of the last attempt)
+        # when rank 1 failed: the mark it logged before it refused every collective
         marks = [e for (rank, _), entries in _logs(raised.collectives).items() if rank == 1 for e in entries
                  if e["phase"] == "failed"]
         raised.failed_at, raised.mark = (marks[0]["t"], marks[0]["reason"]) if len(marks) == 1 else (None, marks)
     return runs
 
 
-@pytest.mark.parametrize("how", ["raised", "killed"])
+def test_a_rank_s_own_error_fails_its_trial_with_that_rank_s_line_and_is_not_retried(failed_workers):
+    run = failed_workers["raised"]
+    assert run.code == 0, run.err[-3000:]  # the sweep goes on (and here ends: its one trial is done)
+    trial = manifest(run.sweep)["trials"]["0"]
+    assert [t.state.name for t in study(run.sweep, "raised").trials] == ["FAIL"]
+    assert trial["state"] == "FAIL" and trial["attempts"] == 1 and "restarting it" not in run.out + run.err
+    assert trial["reason"].startswith("rank 1 (") and \
+        f"failed while training step {FAIL_AT}: RuntimeError: injected" in trial["reason"], trial["reason"]
+    assert run.failed_at is not None and not _new_worker_pids(run)  # no retry, so no new worker's ranks
+
+
+@pytest.mark.parametrize("how", ["killed"])
 def test_a_lost_rank_retries_its_trial_on_a_new_worker_from_its_checkpoint(failed_workers, how):
     run = failed_workers[how]
     assert run.code == 0, run.err[-3000:]
@@ -119,10 +129,8 @@ def test_no_rank_completes_or_starts_a_new_collective_after_the_failure(failed_w
         assert len(starts) <= 1 and not ended, (rank, entries[-4:])
         if how == "raised" and rank == 1:  # the failing rank itself: nothing after its error, only its failure mark
             assert not starts and entries[-1]["phase"] == "failed", entries[-3:]
-    if how == "raised":  # the retry's reason is rank 1's own error, not rank 0's lost peer
+    if how == "raised":  # the mark rank 1 logged is its own error, not a lost peer
         assert run.mark == f"rank 1 failed while training step {FAIL_AT}"
-        retry = next(line for line in (run.out + run.err).splitlines() if "restarting it" in line)
-        assert "rank 1 (" in retry and f"failed while training step {FAIL_AT}: RuntimeError: injected" in retry, retry
 
 
 def test_a_plain_job_whose_rank_fails_ends_in_one_line_with_the_traceback_in_that_ranks_log(tmp_path, zoo_dirs):

@@ -87,6 +87,26 @@ def test_judge(tmp_path):
     assert "not finite" in judge(tmp_path, 0, ("student_ce",), 1, 3).reason
 
 
+def test_a_rank_s_own_error_fails_the_trial_and_a_rank_lost_from_outside_is_retried(tmp_path):
+    """The records the ranks write (kdsweep.distributed.failure.record): rank 1 raising its own RuntimeError leaves an
+    own record beside rank 0's lost peer; rank 1 killed (kill -9, the OOM killer) leaves only rank 0's."""
+    from kdsweep.distributed import failure
+    from kdsweep.distributed.comm import CollectiveRefused
+
+    (tmp_path / "run.json").write_text(json.dumps({"status": "interrupted"}))
+    failure.record(tmp_path, 0, CollectiveRefused("a peer is gone"))
+    retried = judge(tmp_path, 1, ("student_ce",), 1, 1)
+    assert retried.state == "RETRY" and "rank 0 (" in retried.reason and "lost a peer" in retried.reason
+    failure.doing("training step 6")
+    failure.record(tmp_path, 1, RuntimeError("CUDA out of memory"))
+    failed = judge(tmp_path, 1, ("student_ce",), 1, 1)
+    assert failed.state == "FAIL" and failed.reason.startswith("rank 1 (") and "failed while training step 6: " \
+        "RuntimeError: CUDA out of memory; lower data.micro_batch_size" in failed.reason
+    assert judge(tmp_path, -9, ("student_ce",), 1, 1).state == "FAIL"  # however the job ended
+    (tmp_path / "run.json").write_text(json.dumps({"status": "preempted"}))
+    assert judge(tmp_path, "PREEMPTED", ("student_ce",), 1, 1).state == "RETRY"  # preempted: the cluster's doing
+
+
 def test_status_marks_the_best_trial_by_direction_and_the_pareto_front(tmp_path):
     def table(directions, values):
         s = SweepSettings(study_name="t", objectives=("student_ce", "kl")[:len(directions)], directions=directions)
