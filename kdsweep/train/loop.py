@@ -162,6 +162,7 @@ def _train(
     reset_peak_memory(device)  # train rows' peak_mem_mb: the steps' (and evaluations'), not loading's transients
     meter.start_loop()
     in_steps = comm.Tally()  # what the training steps issued (the rest: loading, evaluations, checkpoints)
+    evaluated: dict[int, EvalResult] = {}  # the loop's last evaluation, by step: a pruned trial is evaluated once
     with profiler:
         while step < cfg.train.max_steps:
             failure.doing(f"training step {step + 1}")
@@ -200,6 +201,7 @@ def _train(
             if step % cfg.train.eval_every == 0 and step < cfg.train.max_steps:
                 failure.doing(f"evaluating after step {step}")
                 ev = evaluate_now()
+                evaluated = {step: ev}
                 metrics.log("eval", step, asdict(ev))
                 pruned = dist.any(reporter.report(step, asdict(ev)))  # rank 0 decides (others hold a null reporter)
             preempted = dist.any(preemption is not None and preemption.requested)  # signals may reach ranks apart
@@ -229,12 +231,13 @@ def _train(
         )
 
     failure.doing(f"evaluating after step {step}")
-    eval_after = evaluate_now()
+    eval_after = evaluated[step] if step in evaluated else evaluate_now()  # pruned: the eval that pruned it
     spent = meter.snapshot()
     if record is not None:
         record.cost(spent)
         record.update(comm=comm_record(in_steps, comm.TALLY.since(comm_start), step - trial.start_step))
-    metrics.log("eval", step, asdict(eval_after))
+    if step not in evaluated:
+        metrics.log("eval", step, asdict(eval_after))
     if status == "completed":
         reporter.report(step, asdict(eval_after))
     metrics.close({"objective": eval_after.student_ce, "status": status, "steps": step,
