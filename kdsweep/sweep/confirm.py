@@ -1,17 +1,29 @@
-"""Confirmation (``hydra.sweeper.confirm: {top: k, seeds: s}``): after the search, its k best points and the CE-only
-baseline (``kd_ratio=0`` at the best point's other values) are trained again with s fresh training seeds, as trials
-marked ``confirm`` (pruning off; warm workers and the teacher cache apply as to any trial), and the sweep's answer
-is the verdict on them: per point the mean of the objective over seeds with a 95% interval (Student's t), the paired
-difference (same seeds) to the CE-only baseline and to the best point, and one line.
+"""Confirmation (``hydra.sweeper.confirm: {top: k, seeds: s, baseline_trials: b}``): after the search, its k best
+points and the CE-only baseline are trained again with s fresh seeds, as trials marked ``confirm`` (pruning off; warm
+workers and the teacher cache apply as to any trial), and the sweep's answer is the verdict on them.
+
+- **The reported point is fixed before its confirmation**: the search's best (``top1``); the confirmation measures
+  it, it does not re-pick it by the means it then tests it with.
+- **A fair baseline**: the CE-only arm trains on the gold labels alone (``loss.kd_ratio=0``, ``rollout.lmbda=0``, no
+  ``seq_kd``: no teacher in training; the evaluations still read it), at the best point's other values, and at a
+  learning rate of its own: when the search space has one, b CE-only trials (``ce_lr1`` …, log-uniform over its
+  range, drawn from the sweeper's seed) run first, and the best of them by the search's objective is the baseline's.
+- **Sound statistics**: per point the mean over its seeds with a 95% Student-t interval; each comparison the line
+  makes (``top1`` against CE-only, every other top point against ``top1``) paired on the seeds both completed,
+  printed with its unadjusted 95% interval and decided after Holm's correction across the comparisons made; with the smallest
+  difference its seeds could detect (two-sided 5%, power 80%) and, when it is not distinguishable, how many more
+  seeds would resolve the difference seen. At least 3 seeds.
 
 Its place in the sweep: :func:`plan` once no search trial runs and no more will start (the plan is written to
 ``sweep.json`` before any of its trials is asked, so a resumed controller continues the same plan);
-:func:`next_item` the next confirmation trial to ask; :func:`verdict` from the trials' results as recorded.
+:func:`settle_baseline` once the CE-only learning-rate trials have ended; :func:`next_item` the next confirmation
+trial to ask; :func:`verdict` from the trials' results as recorded.
 """
 
 from __future__ import annotations
 
 import math
+import random
 import statistics
 from dataclasses import dataclass
 from typing import Any
@@ -19,9 +31,19 @@ from typing import Any
 from kdsweep.config.schema import ConfigError
 
 SEED_BASE = 1000
-"""Confirmation seeds are ``train.seed`` = 1000, 1001, …: not the search's (0 unless a user sets one)."""
+"""Confirmation seeds are ``train.seed`` = ``rollout.seed`` = 1000, 1001, …: not the search's (0 unless set)."""
 KD_RATIO_KEYS = ("kd_ratio", "loss.kd_ratio")
+LMBDA_KEYS = ("lmbda", "rollout.lmbda")
+LR_KEYS = ("lr", "optim.lr")
+CE_ONLY = {"loss.kd_ratio": 0.0, "rollout.lmbda": 0.0, "rollout.seq_kd": False}
+"""What makes the baseline CE-only whatever the search or its base overrides set: every override of the sections'
+own keys, after theirs on the command line (so they win over a top-level knob's interpolation and a user's own)."""
 BASELINE = "ce_only"
+BASELINE_SEARCH = "ce_lr"
+"""Labels ``ce_lr1`` … of the CE-only learning-rate trials (run at the search's own seeds, before the seeds)."""
+FINAL = ("COMPLETE", "PRUNED", "FAIL")
+ALPHA, POWER = 0.05, 0.80
+"""The verdict's level (two-sided, family-wise under Holm's correction) and the power of its detectable difference."""
 
 
 @dataclass(frozen=True)
@@ -31,18 +53,27 @@ class ConfirmSettings:
     top: int
     seeds: int
     objective: str
+    baseline_trials: int = 4
+    """CE-only trials over the searched learning-rate range before the confirmation (0, or no learning rate in the
+    search space: CE-only runs at the best point's)."""
+    lr_searched: bool = False
 
     @classmethod
-    def of(cls, raw: dict[str, Any] | None, objectives: tuple[str, ...], trial_limit: float) -> "ConfirmSettings | None":
-        if not raw or not raw.get("top"):  # top 0 (the sweeper's default): no confirmation
+    def of(cls, raw: dict[str, Any] | None, objectives: tuple[str, ...], trial_limit: float,
+           searched: tuple[str, ...] = ()) -> "ConfirmSettings | None":
+        if not raw or not raw.get("top"):  # top 0: no confirmation
             return None
-        unknown = set(raw) - {"top", "seeds", "objective"}
+        unknown = set(raw) - {"top", "seeds", "objective", "baseline_trials"}
         if unknown:
-            raise ConfigError(f"hydra.sweeper.confirm has unknown keys {sorted(unknown)}; use top, seeds, objective")
-        top, seeds = int(raw.get("top", 1)), int(raw.get("seeds", 3))
-        if top < 0 or seeds < 2:
-            raise ConfigError(f"hydra.sweeper.confirm={dict(raw)}: top must be >= 1 (0: none) and seeds >= 2 "
-                              "(an interval needs two seeds)")
+            raise ConfigError(f"hydra.sweeper.confirm has unknown keys {sorted(unknown)}; use top, seeds, objective, "
+                              "baseline_trials")
+        top, seeds, baseline = int(raw.get("top", 1)), int(raw.get("seeds", 3)), int(raw.get("baseline_trials", 4))
+        if top < 0 or seeds < 3:
+            raise ConfigError(f"hydra.sweeper.confirm={dict(raw)}: top must be >= 1 (0: none) and seeds >= 3 (two "
+                              "seeds give an interval 12.7 standard errors wide); pass hydra.sweeper.confirm.seeds=3")
+        if baseline < 0:
+            raise ConfigError(f"hydra.sweeper.confirm.baseline_trials={baseline} must be >= 0 (0: CE-only at the best "
+                              "point's learning rate)")
         if len(objectives) > 1 and not raw.get("objective"):
             raise ConfigError(f"hydra.sweeper.confirm of a study with several objectives {list(objectives)} must "
                               f"name the one it ranks on: hydra.sweeper.confirm.objective={objectives[0]}")
@@ -53,22 +84,37 @@ class ConfirmSettings:
         if top > trial_limit:
             raise ConfigError(f"hydra.sweeper.confirm.top={top} is more than the sweep's {trial_limit:g} trials "
                               f"(hydra.sweeper.n_trials): lower top or raise n_trials")
-        return cls(top, seeds, objective)
+        return cls(top, seeds, objective, baseline, any(k in searched for k in LR_KEYS))
+
+    @property
+    def baseline_search(self) -> int:
+        """How many CE-only learning-rate trials run (none when the search space has no learning rate)."""
+        return self.baseline_trials if self.lr_searched else 0
 
     @property
     def trials(self) -> int:
-        """How many confirmation trials: every seed of the top points and of the CE-only baseline."""
-        return (self.top + 1) * self.seeds
+        """How many confirmation trials: the CE-only learning-rate trials, and every seed of the top points and of
+        the CE-only baseline."""
+        return self.baseline_search + (self.top + 1) * self.seeds
 
 
 def _signed(value: float, direction: str) -> float:
     return value if direction == "minimize" else -value
 
 
+def _range(distribution: Any) -> tuple[float, float]:
+    """The learning-rate range of a searched distribution (an interval's bounds, or a choice's least and most)."""
+    if hasattr(distribution, "choices"):
+        return float(min(distribution.choices)), float(max(distribution.choices))
+    return float(distribution.low), float(distribution.high)
+
+
 def plan(trials: list[dict[str, Any]], confirm: ConfirmSettings, objectives: tuple[str, ...],
-         directions: tuple[str, ...]) -> dict[str, Any]:
+         directions: tuple[str, ...], distributions: dict[str, Any] | None = None, seed: int | None = 0
+         ) -> dict[str, Any]:
     """The confirmation's points from the search's completed trials (the k best distinct points, best first, and the
-    baseline) and its items (one per point and seed, in the order they are asked)."""
+    CE-only baseline), the CE-only learning-rate trials (log-uniform over the searched range, drawn from ``seed``)
+    and the items (one per point and seed, in the order they are asked)."""
     index = objectives.index(confirm.objective)
     direction = directions[index]
     done = [t for t in trials if t["state"] == "COMPLETE" and not t.get("confirm")]
@@ -81,79 +127,192 @@ def plan(trials: list[dict[str, Any]], confirm: ConfirmSettings, objectives: tup
             points.append({"label": f"top{len(points) + 1}", "params": dict(t["params"]), "search_trial": t["number"]})
         if len(points) == confirm.top:
             break
-    if points:
-        best = points[0]["params"]
-        key = next((k for k in KD_RATIO_KEYS if k in best), "kd_ratio")
-        points.append({"label": BASELINE, "params": {**best, key: 0.0}, "search_trial": None})
-    items = [{"label": p["label"], "seed": SEED_BASE + s} for p in points for s in range(confirm.seeds)]
-    return {"objective": confirm.objective, "direction": direction, "points": points, "items": items}
+    out: dict[str, Any] = {"objective": confirm.objective, "index": index, "direction": direction, "points": points,
+                           "items": [], "asked_top": confirm.top}
+    if not points:
+        return out
+    best = points[0]["params"]
+    searched_off = {k: 0.0 for k in (*KD_RATIO_KEYS, *LMBDA_KEYS) if k in best}
+    baseline = {"label": BASELINE, "params": {**best, **searched_off, **CE_ONLY}, "search_trial": None}
+    points.append(baseline)
+    lr_key = next((k for k in LR_KEYS if k in best), None)
+    search = []
+    if lr_key is not None and confirm.baseline_search and distributions and lr_key in distributions:
+        low, high = _range(distributions[lr_key])
+        draw = random.Random(f"{seed}:{BASELINE_SEARCH}")
+        values = sorted(math.exp(draw.uniform(math.log(low), math.log(high))) for _ in range(confirm.baseline_search))
+        search = [{"label": f"{BASELINE_SEARCH}{i + 1}", "params": {**baseline["params"], lr_key: v}}
+                  for i, v in enumerate(values)]
+        out["baseline_search"] = {"key": lr_key, "range": [low, high], "points": search, "settled": None}
+    out["items"] = ([{"label": p["label"], "seed": None} for p in search]
+                    + [{"label": p["label"], "seed": SEED_BASE + s} for p in points for s in range(confirm.seeds)])
+    return out
+
+
+def point_params(confirmation: dict[str, Any], label: str) -> dict[str, Any]:
+    """The params of the plan's point ``label`` (a confirmed point or a CE-only learning-rate trial)."""
+    search = (confirmation.get("baseline_search") or {}).get("points", [])
+    return next(p["params"] for p in [*confirmation["points"], *search] if p["label"] == label)
+
+
+def _pending(confirmation: dict[str, Any]) -> bool:
+    """Whether the CE-only learning rate is still being searched (its seeds wait for it)."""
+    search = confirmation.get("baseline_search")
+    return search is not None and search["settled"] is None
+
+
+def settle_baseline(confirmation: dict[str, Any], trials: list[dict[str, Any]]) -> bool:
+    """Once every CE-only learning-rate trial has ended: the baseline takes the best one's learning rate (by the
+    search's objective; the best point's own when none completed). Returns whether the plan changed."""
+    if not _pending(confirmation):
+        return False
+    search = confirmation["baseline_search"]
+    labels = {p["label"] for p in search["points"]}
+    ran = [t for t in trials if (t.get("confirm") or {}).get("label") in labels]
+    if len(ran) < len(labels) or any(t["state"] not in FINAL for t in ran):
+        return False
+    completed = [t for t in ran if t["state"] == "COMPLETE"]
+    baseline = next(p for p in confirmation["points"] if p["label"] == BASELINE)
+    if completed:
+        best = min(completed, key=lambda t: _signed(t["values"][confirmation["index"]], confirmation["direction"]))
+        value, how = best["params"][search["key"]], f"the best of {len(labels)} CE-only trials"
+    else:
+        value, how = baseline["params"][search["key"]], "the best point's (no CE-only learning-rate trial completed)"
+    baseline["params"] = {**baseline["params"], search["key"]: value}
+    search["settled"] = {"value": value, "how": how, "completed": len(completed)}
+    return True
 
 
 def next_item(confirmation: dict[str, Any], trials: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The first item of the plan no trial runs yet (None: every one was asked)."""
+    """The first item of the plan no trial runs yet (None: every one was asked, or what is left waits for the CE-only
+    learning rate)."""
     asked = {(t["confirm"]["label"], t["confirm"]["seed"]) for t in trials if t.get("confirm")}
-    return next((i for i in confirmation["items"] if (i["label"], i["seed"]) not in asked), None)
+    waiting = _pending(confirmation)
+    return next((i for i in confirmation["items"] if (i["label"], i["seed"]) not in asked
+                 and not (waiting and i["label"] == BASELINE)), None)
+
+
+def _t(q: float, df: int) -> float:
+    from scipy.stats import t as student_t
+
+    return float(student_t.ppf(q, df))
 
 
 def _interval(values: list[float]) -> tuple[float, float]:
     """Mean and the half-width of its 95% Student-t interval (nan with fewer than two values)."""
-    from scipy.stats import t as student_t
-
     mean = statistics.fmean(values) if values else math.nan
     if len(values) < 2:
         return mean, math.nan
-    return mean, float(student_t.ppf(0.975, len(values) - 1)) * statistics.stdev(values) / math.sqrt(len(values))
+    return mean, _t(1 - ALPHA / 2, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
 
 
-def _paired(a: dict[int, float], b: dict[int, float]) -> tuple[float, float, int]:
-    """Mean ± 95% half-width of a − b over the seeds both have, and how many."""
+def detectable(sd: float, n: int) -> float:
+    """The smallest true mean difference a paired two-sided t-test at ``ALPHA`` finds with probability ``POWER``
+    over ``n`` seeds of differences with standard deviation ``sd``: (t_{1−α/2} + t_{power})·sd/√n, n − 1 df."""
+    return (_t(1 - ALPHA / 2, n - 1) + _t(POWER, n - 1)) * sd / math.sqrt(n)
+
+
+def seeds_to_resolve(sd: float, n: int, difference: float, most: int = 1000) -> int | None:
+    """How many seeds in all would make ``difference`` detectable (None: more than ``most``, or no difference)."""
+    if difference == 0 or math.isnan(sd):
+        return None
+    return next((m for m in range(max(n, 2), most + 1) if detectable(sd, m) <= abs(difference)), None)
+
+
+def _paired(a: dict[int, float], b: dict[int, float]) -> dict[str, Any]:
+    """a − b over the seeds both completed: mean, unadjusted 95% half-width, seeds, sd, and the two-sided p."""
+    from scipy.stats import t as student_t
+
     seeds = sorted(set(a) & set(b))
-    mean, half = _interval([a[s] - b[s] for s in seeds])
-    return mean, half, len(seeds)
+    diffs = [a[s] - b[s] for s in seeds]
+    mean, half = _interval(diffs)
+    sd = statistics.stdev(diffs) if len(diffs) >= 2 else math.nan
+    if len(diffs) < 2:
+        p = math.nan
+    elif sd == 0:
+        p = 0.0 if mean != 0 else 1.0
+    else:
+        p = float(2 * student_t.sf(abs(mean) / (sd / math.sqrt(len(diffs))), len(diffs) - 1))
+    return {"mean": mean, "ci95": half, "seeds": len(diffs), "sd": sd, "p": p}
+
+
+def holm(comparisons: list[dict[str, Any]]) -> None:
+    """Holm's step-down over ``comparisons`` (each with ``p`` and ``seeds``): each gets ``holm_t``, the t quantile
+    its step tests at (t(1 − α/(2(m − i)), n − 1) for the i-th smallest p of m), and ``distinct``, whether it is
+    rejected (every smaller p was too). Comparisons without a p (fewer than 2 seeds) are not counted."""
+    tested = sorted((c for c in comparisons if not math.isnan(c["p"])), key=lambda c: c["p"])
+    going = True
+    for i, c in enumerate(tested):
+        level = ALPHA / (len(tested) - i)
+        c["holm_t"], c["holm_of"] = _t(1 - level / 2, c["seeds"] - 1), len(tested)
+        going = going and c["p"] <= level
+        c["distinct"] = going
+    for c in comparisons:
+        c.setdefault("distinct", False)
 
 
 def _point_text(params: dict[str, Any]) -> str:
     return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
 
 
+def baseline_text(confirmation: dict[str, Any]) -> str:
+    """What the verdict compared against: CE-only (no teacher in training), and where its learning rate came from."""
+    search = confirmation.get("baseline_search")
+    if search is None or search["settled"] is None:
+        return "baseline: CE-only (kd_ratio=0, lmbda=0, no seq_kd) at the best point's learning rate"
+    return (f"baseline: CE-only (kd_ratio=0, lmbda=0, no seq_kd) at {search['key']}={search['settled']['value']:.4g}, "
+            f"{search['settled']['how']}")
+
+
+def _judged(c: dict[str, Any], name: str, direction: str) -> str:
+    """One comparison as the line says it: who is better, the unadjusted interval, Holm's decision and what the
+    seeds could see."""
+    if math.isnan(c["ci95"]):
+        return f"{name} not confirmed on 2 or more shared seeds"
+    gain = -_signed(c["mean"], direction)  # > 0: the first is better
+    t = f"Holm over {c['holm_of']} comparisons: t={c['holm_t']:.3f}"
+    if c["distinct"]:
+        who = f"beats {name}" if gain > 0 else f"{name} beats it"
+        return f"{who} by {abs(gain):.4f} ± {c['ci95']:.4f} ({c['seeds']} seeds; {t})"
+    text = (f"not distinguishable from {name} ({gain:+.4f} ± {c['ci95']:.4f} unadjusted, {c['seeds']} seeds; {t}; "
+            f"detectable: {detectable(c['sd'], c['seeds']):.4f}")
+    more = seeds_to_resolve(c["sd"], c["seeds"], gain)
+    if more is not None and more > c["seeds"]:
+        text += f"; {more - c['seeds']} more seeds would resolve {abs(gain):.4f}"
+    return text + ")"
+
+
 def verdict(confirmation: dict[str, Any], trials: list[dict[str, Any]], objectives: tuple[str, ...]) -> dict[str, Any]:
-    """Per point: mean ± 95% over its seeds, paired differences to CE-only and to the best; and the verdict line."""
+    """Per point: mean ± 95% over its seeds and its paired differences to CE-only and to ``top1``; the verdict line on
+    ``top1``, the search's best: against CE-only, and each other top point against it, under Holm's correction."""
     index = objectives.index(confirmation["objective"])
     direction = confirmation["direction"]
     by_label: dict[str, dict[int, float]] = {p["label"]: {} for p in confirmation["points"]}
     for t in trials:
-        if t.get("confirm") and t["state"] == "COMPLETE":
-            by_label[t["confirm"]["label"]][t["confirm"]["seed"]] = t["values"][index]
+        label = (t.get("confirm") or {}).get("label")
+        if label in by_label and t["state"] == "COMPLETE":
+            by_label[label][t["confirm"]["seed"]] = t["values"][index]
     rows = []
     for p in confirmation["points"]:
         mean, half = _interval(list(by_label[p["label"]].values()))
         rows.append({**p, "seeds": sorted(by_label[p["label"]]), "mean": mean, "ci95": half})
-    ranked = sorted((r for r in rows if r["label"] != BASELINE and r["seeds"]),
-                    key=lambda r: _signed(r["mean"], direction))
-    if not ranked:
-        return {"points": rows, "best": None, "line": "no confirmation trial completed: no verdict"}
-    best = ranked[0]
-    for r in rows:
-        for ref, name in ((by_label.get(BASELINE, {}), "vs_ce_only"), (by_label[best["label"]], "vs_best")):
-            mean, half, n = _paired(by_label[r["label"]], ref)
-            r[name] = {"mean": mean, "ci95": half, "seeds": n}
-    line = f"{_point_text(best['params'])}: {best['mean']:.4f} ± {best['ci95']:.4f} over {len(best['seeds'])} seeds"
-    vs = best["vs_ce_only"]
-    gain = -_signed(vs["mean"], direction)  # > 0: the point is better than CE-only
-    if math.isnan(vs["ci95"]):
-        line += "; CE-only not confirmed"
-    elif gain - vs["ci95"] > 0:
-        line += f"; beats CE-only by {gain:.4f} ± {vs['ci95']:.4f}"
-    elif gain + vs["ci95"] < 0:
-        line += f"; CE-only beats it by {-gain:.4f} ± {vs['ci95']:.4f}"
-    else:
-        line += f"; not distinguishable from CE-only ({gain:+.4f} ± {vs['ci95']:.4f})"
-    if len(ranked) > 1:
-        second = ranked[1]["vs_best"]
-        worse = _signed(second["mean"], direction)
-        line += ("; 2nd best is not distinguishable" if math.isnan(second["ci95"]) or worse - second["ci95"] <= 0
-                 else f"; 2nd best is worse by {worse:.4f} ± {second['ci95']:.4f}")
-    return {"points": rows, "best": best["label"], "line": line}
+    tops = [r for r in rows if r["label"] != BASELINE]
+    got = len([r for r in tops if r["seeds"]])
+    short = (f"; {got} of the {confirmation.get('asked_top', len(tops))} points asked were confirmed"
+             if got < confirmation.get("asked_top", len(tops)) else "")
+    if not tops or not tops[0]["seeds"]:
+        return {"points": rows, "best": None, "line": "the search's best was not confirmed: no verdict" + short}
+    best = tops[0]
+    for r in tops:  # every paired difference, for the table; the line decides on top1 against CE-only and each
+        r["vs_ce_only"] = _paired(by_label[r["label"]], by_label.get(BASELINE, {}))  # other top point against top1
+        r["vs_best"] = _paired(by_label[r["label"]], by_label[best["label"]])
+    holm([best["vs_ce_only"], *(r["vs_best"] for r in tops[1:])])
+    line = (f"{_point_text(best['params'])}: {best['mean']:.4f} ± {best['ci95']:.4f} over {len(best['seeds'])} seeds; "
+            + _judged(best["vs_ce_only"], "CE-only", direction))
+    for r in tops[1:]:
+        line += f"; {r['label']} " + _judged(r["vs_best"], "top1", direction)
+    return {"points": rows, "best": best["label"], "line": f"{line}; {baseline_text(confirmation)}{short}"}
 
 
-__all__ = ["BASELINE", "ConfirmSettings", "SEED_BASE", "next_item", "plan", "verdict"]
+__all__ = ["BASELINE", "BASELINE_SEARCH", "CE_ONLY", "ConfirmSettings", "SEED_BASE", "detectable", "holm",
+           "next_item", "plan", "point_params", "seeds_to_resolve", "settle_baseline", "verdict"]

@@ -96,7 +96,8 @@ class Controller:
             if any(e["state"] not in FINAL for e in self._search_trials()):
                 return None
             self.manifest.data["confirmation"] = confirm.plan(
-                self._search_trials(), self.confirm, self.settings.objectives, self.settings.directions)
+                self._search_trials(), self.confirm, self.settings.objectives, self.settings.directions,
+                self.distributions, self.settings.seed)
             if self.budget.device_s is not None:  # what the search left, and what each confirmation trial should cost
                 self.manifest.data["confirmation"]["search_ended"] = {
                     "device_seconds_spent": self.budget.device_spent(), "trial_device_seconds": self.budget.reserved_trial()}
@@ -104,7 +105,11 @@ class Controller:
             points = self.manifest.data["confirmation"]["points"]
             log.info("confirmation: %d points (%s) × %d seeds", len(points),
                      ", ".join(p["label"] for p in points), self.confirm.seeds)
-        return confirm.next_item(self.manifest.data["confirmation"], list(self.manifest.trials.values()))
+        plan, trials = self.manifest.data["confirmation"], list(self.manifest.trials.values())
+        if confirm.settle_baseline(plan, trials):  # the CE-only learning-rate trials have ended: its seeds may start
+            self.manifest.save()
+            log.info("confirmation: %s", confirm.baseline_text(plan))
+        return confirm.next_item(plan, trials)
 
     def _verdict(self) -> None:
         if "confirmation" not in self.manifest.data:
@@ -136,7 +141,10 @@ class Controller:
     # -- one trial ---------------------------------------------------------------------------------------
     def _args(self, number: int, params: dict[str, Any], item: dict[str, Any] | None = None) -> list[str]:
         run_dir = self.sweep_dir / str(number)
-        seed = [f"train.seed={item['seed']}"] if item else []  # a confirmation trial's own training seed
+        # a confirmation seed's own training (order, init, dropout) and rollout draws; the CE-only learning-rate
+        # trials (seed None) run at the search's
+        seeded = item and item["seed"] is not None
+        seed = [f"train.seed={item['seed']}", f"rollout.seed={item['seed']}"] if seeded else []
         return [*self.base, *(f"{k}={v}" for k, v in params.items()), *seed, f"trial.sweep_dir={self.sweep_dir}",
                 f"trial.number={number}", f"trial.study={self.settings.study_name}", f"hydra.run.dir={run_dir}"]
 
@@ -205,7 +213,7 @@ class Controller:
 
     def _point(self, item: dict[str, Any]) -> dict[str, Any]:
         """The params of a confirmation item's point (the plan's)."""
-        return next(p["params"] for p in self.manifest.data["confirmation"]["points"] if p["label"] == item["label"])
+        return confirm.point_params(self.manifest.data["confirmation"], item["label"])
 
     def _finish(self, number: int, exit_code: int | str) -> None:
         entry = self.manifest.trial(number)
@@ -369,7 +377,8 @@ def summary_lines(manifest: Manifest) -> list[str]:
         mark = tag if t["number"] in best else ""
         params = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in t["params"].items())
         if t.get("confirm"):
-            params += f" [confirm {t['confirm']['label']} seed {t['confirm']['seed']}]"
+            seed = t["confirm"]["seed"]
+            params += f" [confirm {t['confirm']['label']}{'' if seed is None else f' seed {seed}'}]"
         lines.append(f"{t['number']:>5}  {t['state']:<8} {objective:>10}  {job_name(t.get('job')):<12} {duration:>6}  "
                      f"{params}  ({t['run_dir']}){mark}"
                      + (f"  ({t['reason']})" if t.get("reason") and t["state"] == "FAIL" else ""))

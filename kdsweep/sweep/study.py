@@ -7,7 +7,7 @@ pruners are built from the plain settings saved in the sweep's manifest, never p
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +15,10 @@ from kdsweep.config.schema import ConfigError
 
 SAMPLERS = ("tpe", "gp", "random", "grid")
 PRUNERS = ("percentile", "median", "halving", "hyperband", "none")
-PRUNER_READS = {"percentile": ("pruner_startup_trials", "pruner_warmup_steps", "pruner_percentile"),
-                "median": ("pruner_startup_trials", "pruner_warmup_steps"),
-                "halving": ("pruner_warmup_steps",), "hyperband": ("pruner_warmup_steps",), "none": ()}
+PRUNER_READS = {"percentile": ("pruner_startup_trials", "pruner_warmup_steps", "pruner_grace", "pruner_percentile"),
+                "median": ("pruner_startup_trials", "pruner_warmup_steps", "pruner_grace"),
+                "halving": ("pruner_warmup_steps", "pruner_grace"), "hyperband": ("pruner_warmup_steps", "pruner_grace"),
+                "none": ()}
 """The pruner settings each pruner reads (another one set is a knob that does nothing: SweepSettings.idle_knobs)."""
 OBJECTIVES = ("student_ce", "kl", "teacher_ce")
 DIRECTIONS = ("minimize", "maximize")
@@ -52,18 +53,25 @@ class SweepSettings:
     trial starts: ``budget`` must pay for one (and for ``confirm.top`` search trials and the confirmation's). The
     budget's estimate until trials have finished; null: no check before, the estimate comes from the first ones."""
     confirm: dict[str, Any] | None = None
-    """``{top: k, seeds: s}`` (and ``objective`` for a study of several; top 0 or None: none): after the search, its k best points and
-    the CE-only baseline are trained again with s fresh seeds, and the sweep reports a verdict with 95% intervals
-    (kdsweep.sweep.confirm). A budget reserves their share. None: no confirmation."""
+    """``{top: k, seeds: s, baseline_trials: b}`` (and ``objective`` for a study of several; top 0 or None: none):
+    after the search, its k best points and the CE-only baseline (at a learning rate of its own, from b CE-only
+    trials when the space searches one) are trained again with s >= 3 fresh seeds, and the sweep reports a verdict on
+    the search's best with 95% intervals and Holm's correction (kdsweep.sweep.confirm). A budget reserves their
+    share."""
     max_concurrent: int = 2
     sampler: str = "tpe"
     seed: int | None = 0
-    pruner: str = "median"
+    pruner: str = "halving"
+    """Successive halving by default: the rule ``benchmarks/sweep_async.py`` chose (with a grace period of half the
+    steps it never cut the eventual best; the median and percentile rules without one did)."""
     pruner_startup_trials: int = 2
     """Trials that must finish before the median or percentile pruner prunes anything."""
-    pruner_warmup_steps: int = 0
+    pruner_warmup_steps: int | None = None
     """The grace period: no trial is pruned before this step (median, percentile: their warm-up; halving and
-    hyperband: their smallest resource, the first rung; 0: Optuna's own, from the first eval)."""
+    hyperband: their smallest resource, the first rung; 0: Optuna's own, from the first eval). None:
+    ``pruner_grace`` of the trials' ``train.max_steps`` (:meth:`with_grace`), so it follows an override of it."""
+    pruner_grace: float = 0.5
+    """The grace period as a share of ``train.max_steps`` when ``pruner_warmup_steps`` is null (0: Optuna's own)."""
     pruner_percentile: float = 75.0
     """percentile pruner: stop a trial whose eval is worse than this percentile of the others' at that step
     (50 is the median pruner; 75 stops only the worst quarter, for noisy early evals)."""
@@ -113,6 +121,19 @@ class SweepSettings:
                f"hydra.sweeper.trial_hours={self.trial_hours} must be > 0 (or null: learnt from the first trials)")
         self._check_budget(confirm)
         _check(0 < self.pruner_percentile < 100, f"hydra.sweeper.pruner_percentile={self.pruner_percentile} must be in (0, 100)")
+        _check(0 <= self.pruner_grace < 1, f"hydra.sweeper.pruner_grace={self.pruner_grace} must be in [0, 1) (a share of "
+               "train.max_steps; 0: Optuna's own grace)")
+        _check(self.pruner_warmup_steps is None or self.pruner_warmup_steps >= 0,
+               f"hydra.sweeper.pruner_warmup_steps={self.pruner_warmup_steps} must be >= 0 (null: pruner_grace of "
+               "train.max_steps)")
+
+    def with_grace(self, max_steps: int) -> "SweepSettings":
+        """These settings with the grace period in steps: ``pruner_warmup_steps``, or ``pruner_grace`` of the trials'
+        ``train.max_steps`` (at least one step; 0 stays 0: Optuna's own)."""
+        if self.pruner_warmup_steps is not None:
+            return self
+        steps = max(1, round(self.pruner_grace * max_steps)) if self.pruner_grace > 0 else 0
+        return replace(self, pruner_warmup_steps=steps)
 
     def _check_budget(self, confirm: Any) -> None:
         """With ``trial_hours``, before any trial: the budget pays for one trial, or for ``confirm.top`` search
@@ -170,7 +191,7 @@ class SweepSettings:
         """``confirm`` validated (a :class:`~kdsweep.sweep.confirm.ConfirmSettings`), or None."""
         from kdsweep.sweep.confirm import ConfirmSettings
 
-        return ConfirmSettings.of(self.confirm, self.objectives, self.trial_limit)
+        return ConfirmSettings.of(self.confirm, self.objectives, self.trial_limit, tuple(self.params))
 
     @property
     def multi_objective(self) -> bool:
@@ -263,12 +284,12 @@ def make_pruner(settings: SweepSettings) -> Any:
         return optuna.pruners.NopPruner()
     if settings.pruner == "median":
         return optuna.pruners.MedianPruner(
-            n_startup_trials=settings.pruner_startup_trials, n_warmup_steps=settings.pruner_warmup_steps
+            n_startup_trials=settings.pruner_startup_trials, n_warmup_steps=settings.pruner_warmup_steps or 0
         )
     if settings.pruner == "percentile":
         return optuna.pruners.PercentilePruner(
             settings.pruner_percentile, n_startup_trials=settings.pruner_startup_trials,
-            n_warmup_steps=settings.pruner_warmup_steps,
+            n_warmup_steps=settings.pruner_warmup_steps or 0,
         )
     grace = settings.pruner_warmup_steps or "auto"  # auto: Optuna's, from the first trial's steps
     if settings.pruner == "halving":

@@ -1,5 +1,5 @@
 """kdsweep.analysis and notebooks/sweep_analysis.ipynb on one real sweep (4 trials on 2 warm workers, one pruned,
-then the best one and CE-only confirmed with 2 seeds each, W&B offline)."""
+then CE-only at a learning rate of its own, the best point and CE-only confirmed with 3 seeds each, W&B offline)."""
 
 import json
 import os
@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import optuna
+import pandas as pd
 import pytest
 import yaml
 
@@ -24,14 +25,15 @@ ARTIFACTS = Path(os.environ.get("KDSWEEP_ARTIFACTS") or REPO / "artifacts")
 NOTEBOOK = REPO / "notebooks" / "sweep_analysis.ipynb"
 STUDY = "analysis"
 PNG = b"\x89PNG\r\n\x1a\n"
-TRIALS = 4 + 2 * 2  # the search's 4, then the best point and CE-only with 2 seeds each
+TRIALS = 4 + 1 + 2 * 3  # the search's 4, a CE-only learning-rate trial, the best point and CE-only with 3 seeds
 
 
 @pytest.fixture(scope="module")
 def sweep_dir(tmp_path_factory, zoo_dirs):
     """4 trials of 8 steps on 2 warm workers, W&B offline; trial 2's lr cannot learn, and it starts only after a
-    trial has completed (the median pruner's one startup trial), so it is pruned at its first eval. Then trials
-    4-7: the best point and CE-only, each with 2 fresh seeds (hydra.sweeper.confirm)."""
+    trial has completed (the median pruner's one startup trial), so it is pruned at its first eval. Then trial 4:
+    CE-only at a learning rate of its own; trials 5-10: the best point and CE-only, each with 3 fresh seeds
+    (hydra.sweeper.confirm)."""
     root = tmp_path_factory.mktemp("analysis")
     body = {"defaults": [{"override /hydra/sweeper": "kdsweep_optuna"}],
             "train": {"eval_every": 2, "max_steps": 8},
@@ -39,7 +41,8 @@ def sweep_dir(tmp_path_factory, zoo_dirs):
             "checkpoint": {"save_every": 0, "export_adapter": False, "export_merged": False},
             "hydra": {"sweeper": {
                 "study_name": STUDY, "poll_s": 0.2, "n_trials": 4, "max_concurrent": 2, "workers": 2, "sampler": "random",
-                "seed": 0, "pruner": "median", "pruner_startup_trials": 1, "confirm": {"top": 1, "seeds": 2},
+                "seed": 0, "pruner": "median", "pruner_startup_trials": 1, "pruner_warmup_steps": 0,
+                "confirm": {"top": 1, "seeds": 3, "baseline_trials": 1},
                 "params": {"kd_ratio": "interval(0.0,1.0)", "lr": "tag(log, interval(1e-7,3e-2))",
                            "lora_rank": "choice(4,8,16)"},
                 "enqueue": [{"kd_ratio": 0.5, "lr": 0.01, "lora_rank": 8}, {"kd_ratio": 0.3, "lr": 0.005, "lora_rank": 4},
@@ -64,7 +67,8 @@ def test_one_row_per_trial_matching_the_manifest_the_study_and_the_records(sweep
     for t in study:
         row, entry, record = trials.loc[t.number], entries[str(t.number)], read_run(sweep_dir / str(t.number))
         assert row["state"] == entry["state"] == t.state.name == row["optuna_state"]
-        assert {k: row[f"param.{k}"] for k in ("kd_ratio", "lr", "lora_rank")} == entry["params"] == t.params
+        searched = ("kd_ratio", "lr", "lora_rank")  # CE-only's point also pins loss.kd_ratio, rollout.lmbda, seq_kd
+        assert {k: row[f"param.{k}"] for k in searched} == {k: entry["params"][k] for k in searched} == t.params
         assert row["started"].timestamp() == pytest.approx(entry["started"])
         assert row["duration_s"] == pytest.approx(entry["ended"] - entry["started"])
         assert row["run_dir"] == entry["run_dir"] == str(sweep_dir / str(t.number))
@@ -79,10 +83,14 @@ def test_one_row_per_trial_matching_the_manifest_the_study_and_the_records(sweep
     pruned = trials[trials["state"] == "PRUNED"]
     assert 2 in pruned.index and (pruned["pruned_step"] == pruned["steps"]).all()
     assert trials.loc[2, "pruned_step"] == 2 == study[2].last_step
+    pruned_evals = [r for r in read_metrics(sweep_dir / "2") if r["kind"] == "eval" and r["step"] == 2]
+    assert len(pruned_evals) == 1  # the eval that pruned it is its eval_after: not evaluated twice at one step
+    assert read_run(sweep_dir / "2")["eval_after"]["student_ce"] == pruned_evals[0]["student_ce"]
     searched = [t for t in study if t.state.name == "COMPLETE" and "confirm" not in t.user_attrs]
     assert sweep.best_number() == min(searched, key=lambda t: t.value).number
-    assert list(trials["confirm.label"].isna()) == [True] * 4 + [False] * 4  # the confirmation's re-runs
-    assert list(trials.loc[4:, "confirm.seed"]) == [entries[str(n)]["confirm"]["seed"] for n in range(4, TRIALS)]
+    assert list(trials["confirm.label"].isna()) == [True] * 4 + [False] * 7  # the confirmation's re-runs
+    seeds = [None if pd.isna(s) else s for s in trials.loc[4:, "confirm.seed"]]
+    assert seeds == [entries[str(n)]["confirm"]["seed"] for n in range(4, TRIALS)] and seeds[0] is None
 
 
 def test_the_confirmation_table_is_the_verdict_s_and_its_numbers_are_the_records(sweep_dir):
@@ -90,10 +98,11 @@ def test_the_confirmation_table_is_the_verdict_s_and_its_numbers_are_the_records
     table = sweep.confirmation().set_index("label")
     assert sweep.verdict == verdict["line"] and list(table.index) == ["top1", "ce_only"]
     runs = sweep.trials[sweep.trials["confirm.label"].notna()]
-    for label, group in runs.groupby("confirm.label"):
+    for label, group in runs[runs["confirm.label"] != "ce_lr1"].groupby("confirm.label"):
         values = [read_run(Path(d))["eval_after"]["student_ce"] for d in group["run_dir"]]
-        assert table.loc[label, "seeds"] == 2 and table.loc[label, "mean"] == pytest.approx(sum(values) / 2)
+        assert table.loc[label, "seeds"] == 3 and table.loc[label, "mean"] == pytest.approx(sum(values) / 3)
     assert table.loc["ce_only", "param.kd_ratio"] == 0.0
+    assert table.loc["ce_only", "param.lr"] == sweep.trials.loc[4, "param.lr"]  # its own, from trial 4
     assert table.loc["top1", "vs_ce_only.mean"] == pytest.approx(table.loc["top1", "mean"] - table.loc["ce_only", "mean"])
 
 

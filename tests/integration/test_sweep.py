@@ -61,7 +61,7 @@ def test_pruned_two_rank_trial_stops_on_every_rank(tmp_path, zoo_dirs):
     sweep_dir = tmp_path / "sweep"
     args = search(tmp_path, "prune", {
         "n_trials": 2, "max_concurrent": 1, "sampler": "random", "pruner": "median", "pruner_startup_trials": 1,
-        "params": {"lr": "tag(log, interval(1e-7,1e-1))"},
+        "pruner_warmup_steps": 0, "params": {"lr": "tag(log, interval(1e-7,1e-1))"},
         "enqueue": [{"lr": 0.01}, {"lr": 1e-7}],  # a working lr first, then one that cannot learn
     }, {"train": {"eval_every": 2, "max_steps": 8}, "dist": {"nproc_per_node": 2}})
     kdsweep(*args, f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path)
@@ -168,7 +168,8 @@ BAD = {
     "storage": (["hydra.sweeper.storage=sqlite:////no/such/dir/x.db"], "cannot be reached"),
     "launcher": (["hydra/launcher=submitit_local"], "hydra.launcher=LocalLauncher cannot run kdsweep's trials"),
     "budget": (["hydra.sweeper.budget=0", "hydra.sweeper.n_trials=null"], "hydra.sweeper.budget=0.0 must be > 0 hours"),
-    "budget_one_trial": (["hydra.sweeper.budget=0.001", "hydra.sweeper.trial_hours=0.01", "hydra.sweeper.n_trials=null"],
+    "budget_one_trial": (["hydra.sweeper.budget=0.001", "hydra.sweeper.trial_hours=0.01", "hydra.sweeper.n_trials=null",
+                          "hydra.sweeper.confirm.top=0"],
                          "hydra.sweeper.budget=0.001 device-h cannot pay for one trial of hydra.sweeper.trial_hours=0.01"),
     "confirm_top": (["hydra.sweeper.budget=0.1", "hydra.sweeper.trial_hours=0.01", "hydra.sweeper.n_trials=null",
                      "hydra.sweeper.confirm.top=2"], "hydra.sweeper.confirm.top=2 is more than the trials the budget allows"),

@@ -35,7 +35,7 @@ def worker_sweep(tmp_path, name: str, enqueue: list[dict], params: dict, overrid
     sweep_dir = tmp_path / "sweep"
     search_args = search(tmp_path, name, {
         "n_trials": len(enqueue), "max_concurrent": 1, "workers": 1, "sampler": "random", "pruner": "median",
-        "pruner_startup_trials": 1, "params": params, "enqueue": enqueue,
+        "pruner_startup_trials": 1, "pruner_warmup_steps": 0, "params": params, "enqueue": enqueue,
     }, overrides)
     base = [*search_args[1:], *args, "train.threads=1", *QUIET]  # what the sweep gives every trial, without -m
     own_dirs = {n: tmp_path / f"alone-{n}" for n in compare}

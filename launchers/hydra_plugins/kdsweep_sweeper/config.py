@@ -13,6 +13,7 @@ class ConfirmConf:
     top: int = 0
     seeds: int = 3
     objective: Optional[str] = None
+    baseline_trials: int = 4  # CE-only trials over the searched lr range, for the baseline's own lr (0: the best's)
 
 
 @dataclass
@@ -28,9 +29,10 @@ class KdsweepOptunaConf:
     max_concurrent: int = 2
     sampler: str = "tpe"
     seed: Optional[int] = 0
-    pruner: str = "median"
+    pruner: str = "halving"
     pruner_startup_trials: int = 2
-    pruner_warmup_steps: int = 0
+    pruner_warmup_steps: Optional[int] = None  # None: pruner_grace of train.max_steps
+    pruner_grace: float = 0.5
     pruner_percentile: float = 75.0
     objectives: List[str] = field(default_factory=lambda: ["student_ce"])
     directions: List[str] = field(default_factory=lambda: ["minimize"])

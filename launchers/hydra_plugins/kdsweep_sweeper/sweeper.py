@@ -54,6 +54,7 @@ class KdsweepOptunaSweeper(Sweeper):
         space = parse_space(params)
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
         first = self._validate_points(base, space, settings.enqueue, sweep_dir)
+        settings = settings.with_grace(first.train.max_steps)  # the grace period follows train.max_steps
         backend = self._backend(settings, first, sweep_dir)
         bias = cache_bias_line(first.teacher.cache.method if first.teacher.logits == "cache" else None, params)
         if bias:

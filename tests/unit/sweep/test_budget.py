@@ -155,10 +155,10 @@ class OnWarmWorkers(Recorded):
 
 
 def test_a_workers_one_time_start_up_is_not_expected_of_the_next_trials(tmp_path):
-    # 2 cold trials (100 device-s each), then warm ones (44), and a confirmation of 4 trials reserved: the estimate
+    # 2 cold trials (100 device-s each), then warm ones (44), and a confirmation of 6 trials reserved: the estimate
     # is a warm trial's, so the search goes on and the sweep ends within one warm trial of its budget; expecting
-    # every trial to pay a cold start, it would stop searching after the first two (200 + 4 × 100 reserved)
-    manifest = sweep(tmp_path, OnWarmWorkers(), n_trials=None, budget=600 / 3600.0, confirm={"top": 1, "seeds": 2})
+    # every trial to pay a cold start, it would stop searching after the first two (200 + 6 × 100 reserved)
+    manifest = sweep(tmp_path, OnWarmWorkers(), n_trials=None, budget=600 / 3600.0, confirm={"top": 1, "seeds": 3})
     spent = manifest.data["budget"]["device_seconds_spent"]
     search = [t for t in manifest.trials.values() if not t.get("confirm")]
     assert manifest.data["budget"]["trial_device_seconds"] == pytest.approx(44.0)

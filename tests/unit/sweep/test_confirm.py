@@ -79,6 +79,10 @@ def interval(xs):
     return statistics.fmean(xs), student_t.ppf(0.975, len(xs) - 1) * statistics.stdev(xs) / math.sqrt(len(xs))
 
 
+T_975_2DF = 4.303  # t(0.975, 2 df): the 95% interval of 3 seeds
+T_9875_2DF = 6.205  # t(0.9875, 2 df): the first step of Holm's correction over two comparisons at 3 seeds
+
+
 def test_the_top_points_and_the_ce_only_baseline_are_rerun_with_fresh_seeds_and_judged(tmp_path):
     backend = Recorded()
     manifest = sweep(tmp_path, backend)
@@ -86,13 +90,20 @@ def test_the_top_points_and_the_ce_only_baseline_are_rerun_with_fresh_seeds_and_
     search, confirmation = trials[:6], trials[6:]
     assert not any(t.get("confirm") for t in search) and len(confirmation) == 3 * 3
     ranked = sorted(search, key=lambda t: t["values"][0])
-    points = {"top1": ranked[0]["params"], "top2": ranked[1]["params"],
-              "ce_only": {**ranked[0]["params"], "kd_ratio": 0.0}}
+    # CE-only: the best point's other values, no KD term, no generation, whatever the search set
+    ce_only = {**ranked[0]["params"], "kd_ratio": 0.0, "loss.kd_ratio": 0.0, "rollout.lmbda": 0.0,
+               "rollout.seq_kd": False}
+    points = {"top1": ranked[0]["params"], "top2": ranked[1]["params"], "ce_only": ce_only}
     seen = sorted((t["confirm"]["label"], t["confirm"]["seed"]) for t in confirmation)
     assert seen == sorted((label, SEED_BASE + s) for label in points for s in range(3))  # each exactly once
     for t in confirmation:
-        assert t["params"] == points[t["confirm"]["label"]] and f"train.seed={t['confirm']['seed']}" in t["args"]
-    # the verdict equals a recomputation from the trials' records
+        seed = t["confirm"]["seed"]
+        assert t["params"] == points[t["confirm"]["label"]]
+        assert f"train.seed={seed}" in t["args"] and f"rollout.seed={seed}" in t["args"]  # every random source
+    baseline = next(t for t in confirmation if t["confirm"]["label"] == "ce_only")["args"]
+    assert all(a in baseline for a in ("loss.kd_ratio=0.0", "rollout.lmbda=0.0", "rollout.seq_kd=False"))
+    assert baseline.index("loss.kd_ratio=0.0") > baseline.index("train=smoke")  # after the base overrides: it wins
+    # the verdict equals a recomputation from the trials' records, t quantiles written down
     by = {label: {} for label in points}
     for t in confirmation:
         record = json.loads((Path(t["run_dir"]) / "run.json").read_text())
@@ -100,19 +111,63 @@ def test_the_top_points_and_the_ce_only_baseline_are_rerun_with_fresh_seeds_and_
     verdict = manifest.data["verdict"]
     rows = {r["label"]: r for r in verdict["points"]}
     for label, values in by.items():
-        mean, half = interval(list(values.values()))
-        assert rows[label]["mean"] == pytest.approx(mean, rel=1e-12) and rows[label]["ci95"] == pytest.approx(half)
-    best = min(("top1", "top2"), key=lambda k: rows[k]["mean"])
-    gain, gain_ci = interval([by["ce_only"][s] - by[best][s] for s in by[best]])
-    assert verdict["best"] == best and rows[best]["vs_ce_only"]["mean"] == pytest.approx(-gain)
-    assert f"beats CE-only by {gain:.4f} ± {gain_ci:.4f}" in verdict["line"]  # kd_ratio 0 sits 0.36 worse here
+        xs = list(values.values())
+        half = T_975_2DF * statistics.stdev(xs) / math.sqrt(3)
+        assert rows[label]["mean"] == pytest.approx(statistics.fmean(xs), rel=1e-12)
+        assert rows[label]["ci95"] == pytest.approx(half, rel=1e-3, abs=1e-12)
+    # the reported point is the search's best, whatever the confirmation's means say
+    assert verdict["best"] == "top1" and rows["top1"]["search_trial"] == ranked[0]["number"]
+    diffs = [by["ce_only"][s] - by["top1"][s] for s in by["top1"]]
+    gain, gain_ci = statistics.fmean(diffs), T_975_2DF * statistics.stdev(diffs) / math.sqrt(3)
+    assert rows["top1"]["vs_ce_only"]["mean"] == pytest.approx(-gain)
+    # top1 against CE-only and top2 against top1: two comparisons; top1's, the smaller p, tested first
+    assert (f"beats CE-only by {gain:.4f} ± {gain_ci:.4f} (3 seeds; Holm over 2 comparisons: t={T_9875_2DF})"
+            in verdict["line"])  # kd_ratio 0 sits 0.36 worse here
     assert verdict["line"].startswith("kd_ratio=") and "over 3 seeds" in verdict["line"]
+    assert "baseline: CE-only (kd_ratio=0, lmbda=0, no seq_kd) at the best point's learning rate" in verdict["line"]
     study = optuna.load_study(study_name="c", storage=f"sqlite:///{tmp_path / 'optuna.db'}")
     assert study.user_attrs["verdict"] == verdict["line"]
     lines = summary_lines(Manifest.load(tmp_path))
     assert lines[-1] == f"verdict: {verdict['line']}" and sum("[confirm " in line for line in lines) == 9
     assert sum("<- best" in line for line in lines) == 1 and "<- best" in next(
         line for line in lines if f"({ranked[0]['run_dir']})" in line)
+
+
+class LearningRates(Recorded):
+    """A trial's objective also depends on its learning rate (best at 0.01, a decade off costs 0.05)."""
+
+    def poll(self, job):
+        super().poll(job)
+        record = json.loads((Path(job["run_dir"]) / "run.json").read_text())
+        record["eval_after"]["student_ce"] += 0.05 * (math.log10(float(job["values"]["lr"])) + 2) ** 2
+        (Path(job["run_dir"]) / "run.json").write_text(json.dumps(record))
+        return 0
+
+
+def test_ce_only_gets_its_own_learning_rate_from_trials_over_the_searched_range_before_its_seeds(tmp_path):
+    space = {**SPACE, "lr": "tag(log, interval(1e-4,1e-1))"}
+    kw = {"params": space, "confirm": {"top": 1, "seeds": 3, "baseline_trials": 4}}
+    manifest = Controller(settings(**kw), parse_space(space), ["train=smoke"], tmp_path, LearningRates()).run()
+    trials = sorted(manifest.trials.values(), key=lambda t: t["number"])
+    plan = manifest.data["confirmation"]
+    lr_trials = [t for t in trials if (t.get("confirm") or {}).get("label", "").startswith("ce_lr")]
+    values = [t["params"]["lr"] for t in lr_trials]
+    assert len(lr_trials) == 4 and all(1e-4 <= v <= 1e-1 for v in values) and len(set(values)) == 4
+    assert all(t["params"]["loss.kd_ratio"] == 0.0 and t["confirm"]["seed"] is None for t in lr_trials)
+    assert not any(a.startswith("train.seed=") for t in lr_trials for a in t["args"])  # the search's own seed
+    best = min(lr_trials, key=lambda t: t["values"][0])
+    seeds = [t for t in trials if (t.get("confirm") or {}).get("label") == "ce_only"]
+    assert len(seeds) == 3 and all(t["params"]["lr"] == best["params"]["lr"] for t in seeds)
+    assert min(t["number"] for t in seeds) > max(t["number"] for t in lr_trials)  # asked once the lr is known
+    top1 = next(t for t in trials if (t.get("confirm") or {}).get("label") == "top1")
+    assert top1["params"]["lr"] == plan["points"][0]["params"]["lr"]  # the KD point keeps its searched lr
+    assert plan["baseline_search"]["settled"] == {"value": best["params"]["lr"], "how": "the best of 4 CE-only trials",
+                                                  "completed": 4}
+    assert f"at lr={best['params']['lr']:.4g}, the best of 4 CE-only trials" in manifest.data["verdict"]["line"]
+    # the same sweep seed draws the same learning rates (a resumed controller's plan is the saved one anyway)
+    again = Controller(settings(**kw), parse_space(space), ["train=smoke"], tmp_path / "again", LearningRates()).run()
+    assert [p["params"]["lr"] for p in again.data["confirmation"]["baseline_search"]["points"]] == values
+    assert len(trials) == 6 + 4 + 2 * 3
 
 
 def test_a_controller_that_dies_during_the_confirmation_is_resumed_and_runs_each_confirmation_trial_once(tmp_path):
@@ -141,7 +196,7 @@ def test_a_budget_reserves_the_confirmation_share(tmp_path):
     ({"objectives": ("student_ce", "kl"), "directions": ("minimize", "minimize")},
      "must name the one it ranks on: hydra.sweeper.confirm.objective=student_ce"),
     ({"confirm": {"top": 7, "seeds": 3}}, "hydra.sweeper.confirm.top=7 is more than the sweep's 6 trials"),
-    ({"confirm": {"top": 2, "seeds": 1}}, "seeds >= 2"),
+    ({"confirm": {"top": 2, "seeds": 2}}, "seeds >= 3 (two seeds give an interval 12.7 standard errors wide)"),
     ({"confirm": {"top": 2, "runs": 1}}, "hydra.sweeper.confirm has unknown keys ['runs']"),
 ])
 def test_bad_confirmation_settings_are_one_line(kw, message):
@@ -152,9 +207,9 @@ def test_bad_confirmation_settings_are_one_line(kw, message):
 
 def test_a_pareto_study_confirms_on_the_objective_it_names(tmp_path):
     manifest = sweep(tmp_path, Recorded(), objectives=("student_ce", "kl"), directions=("minimize", "maximize"),
-                     confirm={"top": 1, "seeds": 2, "objective": "kl"})
+                     confirm={"top": 1, "seeds": 3, "objective": "kl"})
     assert manifest.data["confirmation"]["objective"] == "kl" and manifest.data["verdict"]["best"] == "top1"
-    assert len([t for t in manifest.trials.values() if t.get("confirm")]) == 2 * 2
+    assert len([t for t in manifest.trials.values() if t.get("confirm")]) == 2 * 3
 
 
 @pytest.mark.parametrize("kw, message", [
@@ -195,3 +250,63 @@ def test_ce_only_outside_the_searched_choices_runs_its_point_and_a_resume_keeps_
     held = [t for t in study.trials if t.user_attrs.get("confirm", {}).get("label") == "ce_only"]
     assert len(held) == 3 and all("kd_ratio" not in t.params and t.state.name == "COMPLETE" for t in held)
     assert "verdict" in manifest.data and len(manifest.trials) == 6 + 9
+
+
+def judged(top1, top2, ce_only, direction="minimize"):
+    """The verdict on three seeds' objectives of each point (a plan as :func:`plan` writes it, trials as recorded)."""
+    from kdsweep.sweep.confirm import verdict
+
+    values = {"top1": top1, "top2": top2, "ce_only": ce_only}
+    plan = {"objective": "student_ce", "index": 0, "direction": direction, "asked_top": 2,
+            "points": [{"label": label, "params": {"kd_ratio": k, "lr": 0.01}, "search_trial": None}
+                       for label, k in (("top1", 0.5), ("top2", 0.6), ("ce_only", 0.0))]}
+    trials = [{"state": "COMPLETE", "confirm": {"label": label, "seed": SEED_BASE + s}, "values": [v]}
+              for label, vs in values.items() for s, v in enumerate(vs) if v is not None]
+    return verdict(plan, trials, ("student_ce",))
+
+
+def test_holm_s_first_step_tests_the_smaller_p_at_t_0_9875_and_the_second_at_t_0_975():
+    # top1 against CE-only: differences 0.20, 0.19, 0.22 (t = 23.1 > 6.205): beats it; top2 against top1: 0.005,
+    # -0.005, 0.010 (t = 0.76 < 4.303): not distinguishable
+    v = judged([4.50, 4.52, 4.51], [4.505, 4.515, 4.52], [4.70, 4.71, 4.73])
+    diffs = [0.20, 0.19, 0.22]
+    half = T_975_2DF * statistics.stdev(diffs) / math.sqrt(3)
+    assert f"beats CE-only by {statistics.fmean(diffs):.4f} ± {half:.4f} (3 seeds; Holm over 2 comparisons: " \
+           f"t={T_9875_2DF})" in v["line"]
+    assert "top2 not distinguishable from top1 (-0.0033" in v["line"] and f"t={T_975_2DF})" not in v["line"]
+    assert "t=4.303;" in v["line"]  # the second step, at the unadjusted level
+    # the smallest difference 3 seeds of differences with sd s could see: (t(0.975, 2) + t(0.8, 2))·s/√3
+    sd = statistics.stdev([0.005, -0.005, 0.010])
+    shown = float(v["line"].split("detectable: ")[1].split(";")[0])
+    assert shown == pytest.approx((T_975_2DF + 1.0607) * sd / math.sqrt(3), abs=1e-4)
+
+
+def test_ce_only_that_is_better_is_said_to_beat_the_point():
+    v = judged([4.70, 4.71, 4.73], [4.90, 4.95, 4.93], [4.50, 4.52, 4.51])
+    assert "CE-only beats it by 0.2033" in v["line"] and v["best"] == "top1"
+    assert "top2 beats top1" not in v["line"]
+
+
+def test_an_interval_clear_of_zero_is_still_not_distinguishable_after_holm():
+    # top1 - CE-only: -0.10, -0.14, -0.06 (t = 4.33: past 4.303 unadjusted, short of Holm's 6.205 as the first of
+    # two); top2 against top1 is further from significance, so it comes second and cannot be rejected either
+    v = judged([4.40, 4.36, 4.44], [4.41, 4.35, 4.46], [4.50, 4.50, 4.50])
+    row = next(r for r in v["points"] if r["label"] == "top1")
+    assert -row["vs_ce_only"]["mean"] - row["vs_ce_only"]["ci95"] > 0  # the unadjusted interval excludes 0
+    assert "not distinguishable from CE-only (+0.1000 ± 0.0994 unadjusted, 3 seeds; Holm over 2 comparisons: " \
+           "t=6.205" in v["line"]
+    # 4 seeds resolve 0.1 at this spread: (t(0.975, 3) + t(0.8, 3))·0.04/√4 = 0.0832 ≤ 0.1 < 0.1239 at 3
+    assert "1 more seeds would resolve 0.1000" in v["line"]
+
+
+def test_paired_differences_use_only_the_seeds_both_points_completed():
+    v = judged([4.50, 4.52, 4.51], [4.505, None, 4.52], [4.70, 4.71, 4.73])
+    top2 = next(r for r in v["points"] if r["label"] == "top2")
+    assert top2["seeds"] == [SEED_BASE, SEED_BASE + 2] and top2["vs_best"]["seeds"] == 2
+    assert top2["vs_best"]["mean"] == pytest.approx(statistics.fmean([0.005, 0.01]))
+    assert "2 of the 2 points" not in v["line"]
+
+
+def test_a_point_asked_but_never_completed_is_said_so():
+    v = judged([4.50, 4.52, 4.51], [None, None, None], [4.70, 4.71, 4.73])
+    assert v["line"].endswith("; 1 of the 2 points asked were confirmed")

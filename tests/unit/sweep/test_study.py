@@ -156,3 +156,23 @@ def test_a_search_over_kd_ratio_from_a_biased_cache_is_warned_of(method, params,
     assert (line is not None) == warned
     if warned:
         assert f"teacher.cache.method={method}" in line and "teacher.cache.method=full" in line
+
+
+def test_the_default_pruner_is_halving_with_a_grace_period_that_follows_train_max_steps():
+    """The rule benchmarks/sweep_async.py chose, its first rung at half the steps whatever train.max_steps is set to
+    (the presets once copied 20 of 40 and 500 of 1,000, stale under an override)."""
+    from kdsweep.sweep.study import make_pruner
+
+    SweepSettings = S.SweepSettings
+    default = SweepSettings()
+    assert default.pruner == "halving" and default.pruner_warmup_steps is None
+    assert [default.with_grace(n).pruner_warmup_steps for n in (40, 1000, 8, 1)] == [20, 500, 4, 1]
+    assert SweepSettings(pruner_grace=0.25).with_grace(40).pruner_warmup_steps == 10
+    assert SweepSettings(pruner_warmup_steps=7).with_grace(40).pruner_warmup_steps == 7  # given: kept
+    assert SweepSettings(pruner_grace=0.0).with_grace(40).pruner_warmup_steps == 0  # Optuna's own
+    pruner = make_pruner(default.with_grace(40))
+    assert type(pruner).__name__ == "SuccessiveHalvingPruner" and pruner._min_resource == 20
+    with pytest.raises(ConfigError, match="hydra.sweeper.pruner_grace=1.0 must be in"):
+        SweepSettings(pruner_grace=1.0)
+    assert SweepSettings(pruner="none", pruner_grace=0.3).idle_knobs() == [
+        "hydra.sweeper.pruner_grace=0.3 does nothing with hydra.sweeper.pruner=none"]
