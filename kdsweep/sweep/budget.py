@@ -3,14 +3,22 @@
 Spent device-seconds are counted as the sweep's ``cost`` counts them (:mod:`kdsweep.sweep.cost`): each trial's
 recorded device-seconds (wall from its job's start × its ranks, every attempt), the warm workers' idle time × their
 ranks, and, for a trial still running, at least its time since it started × its ranks (its record is written at
-checkpoints and at its end). A trial costs what the finished trials cost (their median device-seconds: a pruned
-trial's too, since the search will prune again); on warm workers, the warm trials' once one has finished (a
-worker's first trial pays its start-up, which no later one does), and until then one more trial starts to learn it.
+checkpoints and at its end).
 
-The controller asks for a trial while what is spent plus what the running trials are expected to spend still
-leaves part of the budget (:meth:`Budget.allows`): the last trial it starts may run past the budget by at most its
-own cost, and a sweep never stops while a whole trial's cost is left. Before any trial has finished, a trial's cost
-is unknown: the first ``max_concurrent`` run. The wall-clock limit starts no trial that would end after it (a trial
+What a trial costs: a new search trial the finished trials' median device-seconds (a pruned trial's too, since the
+search will prune again); a trial run to its end (**a full trial**: one still running may be promoted to the end, and
+a confirmation's always is) what the finished trials would have cost at their end, a pruned one's start-up once and
+its steps scaled to ``train.max_steps`` (their mean, for the confirmation's reserve; their largest, for what a running
+trial may still spend). On warm workers only the warm trials count once one has finished (a worker's first trial
+pays its start-up, which no later one does). Before any trial has finished: ``trial_hours``, else the running
+trials' own pace projected to their last step (their device-seconds so far over the share of steps done); a trial
+that has not logged a step yet tells nothing, and no other trial starts until one has.
+
+The controller asks for a search trial while what is spent, plus what the running trials may still spend, plus the
+confirmation's reserve (:meth:`Budget.allows`) leaves part of the budget; a confirmation trial while what is spent
+and what the running trials may still spend leaves part of it (:meth:`Budget.allows_reserved`). So whatever the mix
+of pruned, promoted and failed trials, the sweep spends at most its budget and one full trial, and a search stopped
+by it leaves only the confirmation's reserve. The wall-clock limit starts no trial that would end after it (a trial
 takes the finished trials' median wall seconds). A resumed sweep continues both: the records are on disk, and the
 controllers' wall time is kept in the manifest (``wall_s``).
 """
@@ -72,6 +80,52 @@ def _next_costs(entries: list[dict[str, Any]]) -> list[tuple[float, float]]:
             for c, ranks, w in seen]
 
 
+def _warm_filter(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records that tell what the next trials cost: on warm workers, the warm trials' once one has finished."""
+    worker = lambda r: (r.get("environment") or {}).get("worker") or {}
+    if any(worker(r).get("start") == "warm" for r in records):
+        return [r for r in records if worker(r).get("start") == "warm"]
+    return records
+
+
+def full_cost(record: dict[str, Any]) -> float | None:
+    """A finished trial's device-seconds had it run to its last step (its worker's own boot left out): a completed
+    one's as recorded; a pruned one's start-up once and its steps' cost scaled to ``train.max_steps``; None when its
+    record does not tell (failed, or no steps)."""
+    cost, ranks = record.get("cost") or {}, int(record.get("world_size") or 1)
+    boot = float(((record.get("environment") or {}).get("worker") or {}).get("boot_seconds", 0.0)) * ranks
+    device = float(cost.get("device_seconds") or 0.0) - boot
+    if device <= 0 or record.get("status") not in ("completed", "pruned"):
+        return None
+    if record["status"] == "completed":
+        return device
+    steps = int(record.get("steps") or 0)
+    total = int(((record.get("config") or {}).get("train") or {}).get("max_steps") or 0)
+    if steps <= 0 or total <= 0:
+        return None
+    startup = min(float(cost.get("startup_seconds") or 0.0) * ranks, device)
+    return startup + (device - startup) * max(total, steps) / steps
+
+
+def _progress(entry: dict[str, Any]) -> tuple[int, int] | None:
+    """A running trial's last logged training step and its ``train.max_steps`` (None before its first step)."""
+    total = int(((_record(entry).get("config") or {}).get("train") or {}).get("max_steps") or 0)
+    path = Path(entry["run_dir"]) / "metrics.jsonl"
+    if total <= 0 or not path.exists():
+        return None
+    with open(path, "rb") as f:
+        f.seek(max(f.seek(0, 2) - 8192, 0))
+        lines = f.read().decode(errors="replace").splitlines()
+    for line in reversed(lines):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if row.get("kind") == "train" and row.get("step"):
+            return int(row["step"]), total
+    return None
+
+
 def _cold_only(entries: list[dict[str, Any]]) -> bool:
     """Warm workers whose finished trials were all their first (cold): no trial has shown what a warm one costs."""
     starts = [((r.get("environment") or {}).get("worker") or {}).get("start") for r in map(_record, entries)]
@@ -116,9 +170,9 @@ class Budget:
             return max(recorded, (now - entry["started"]) * ranks)
         return recorded or max(entry.get("ended", now) - entry["started"], 0.0) * ranks
 
-    def device_spent(self) -> float:
-        """Device-seconds spent: every trial's and the workers' idle time."""
-        now = time.time()
+    def device_spent(self, now: float | None = None) -> float:
+        """Device-seconds spent by ``now``: every trial's and the workers' idle time."""
+        now = time.time() if now is None else now
         return (sum(self.trial_spent(e, now) for e in self.manifest.trials.values())
                 + idle_device_seconds(self.manifest.path.parent))
 
@@ -130,40 +184,78 @@ class Budget:
             return None, None
         return statistics.median(d for d, _ in costs), statistics.median(w for _, w in costs)
 
-    def reserved_trial(self) -> float | None:
-        """What each reserved trial (a confirmation's: run to its end) is expected to cost: the completed trials'
-        mean device-seconds (a few slow ones count, as they will again) and their share of the workers' idle time."""
-        entries = [e for e in self.manifest.trials.values() if e.get("state") == "COMPLETE"]
-        costs = _next_costs(entries)
-        if not costs:
-            return None
+    def _full_costs(self) -> list[float]:
+        finished = [_record(e) for e in self.manifest.trials.values() if e.get("state") in ("COMPLETE", "PRUNED")]
+        return [c for c in map(full_cost, _warm_filter(finished)) if c is not None]
+
+    def _idle_share(self) -> float:
         finished = sum(e.get("state") in FINAL for e in self.manifest.trials.values())
-        return statistics.fmean(d for d, _ in costs) + idle_device_seconds(self.manifest.path.parent) / finished
+        return idle_device_seconds(self.manifest.path.parent) / finished if finished else 0.0
+
+    def reserved_trial(self) -> float | None:
+        """What each reserved trial (a confirmation's: run to its end) is expected to cost: the finished trials' mean
+        device-seconds at their end (:func:`full_cost`) and their share of the workers' idle time; before any has
+        finished, ``trial_hours`` or the running trials' projection."""
+        costs = self._full_costs()
+        if not costs:
+            return self.estimate or self._projected()
+        return statistics.fmean(costs) + self._idle_share()
+
+    def full_trial(self) -> float | None:
+        """The most a trial run to its end costs: the largest of the finished trials' :func:`full_cost` (the budget's
+        tolerance: a sweep ends within one of these of its budget); before any has finished, as
+        :meth:`reserved_trial`."""
+        costs = self._full_costs()
+        return max(costs) + self._idle_share() if costs else self.estimate or self._projected()
+
+    def _projected(self) -> float | None:
+        """The running trials' own pace projected to their last step: their device-seconds so far over the share
+        of their steps done (start-up included, so an upper bound); the largest, or None before any logged a step."""
+        now, seen = time.time(), []
+        for entry in self.manifest.trials.values():
+            done = _progress(entry) if entry.get("state") == "RUNNING" and entry.get("started") else None
+            if done is not None:
+                seen.append(self.trial_spent(entry, now) * done[1] / done[0])
+        return max(seen) if seen else None
 
     # -- what may start ----------------------------------------------------------------------------------------
+    def _spent_and_committed(self, full: float) -> float:
+        """What is spent, and what the running trials may still spend: each up to a full trial (it may be promoted
+        to its end); both at one instant, so a running trial counts a full trial in all."""
+        now = time.time()
+        running = [e for e in self.manifest.trials.values() if e.get("state") not in FINAL]
+        return self.device_spent(now) + sum(max(full - self.trial_spent(e, now), 0.0) for e in running)
+
     def allows(self, reserve: int = 0, at_once: int = 1) -> bool:
-        """Whether another trial may start: spent + what the running trials are still expected to spend + ``reserve``
+        """Whether another search trial may start: spent + what the running trials may still spend + ``reserve``
         trials run to their end (the confirmation's share) leaves part of the device budget, and a trial started
         now, and the reserved ones after it (``at_once`` at a time), would end before the wall-clock limit."""
         if not self.limited:
             return True
-        device, wall = self.per_trial()
+        _, wall = self.per_trial()
         _, full_wall = self.per_trial(("COMPLETE",))
-        device, full_device = device or self.estimate, self.reserved_trial() or device or self.estimate
         rounds = -(-reserve // max(at_once, 1))
         if self.wall_s is not None and self.wall_spent() + (wall or 0.0) + rounds * (full_wall or 0.0) > self.wall_s:
             return False
         if self.device_s is None:
             return True
-        now = time.time()
         running = [e for e in self.manifest.trials.values() if e.get("state") not in FINAL]
-        committed = sum(max((device or 0.0) - self.trial_spent(e, now), 0.0) for e in running)
-        if self.device_spent() + committed + reserve * (full_device or 0.0) < self.device_s:
+        full, mean = self.full_trial(), self.reserved_trial()
+        if full is None:  # nothing is known of a trial's cost: one runs until its pace tells
+            return not running and self.device_spent() < self.device_s
+        if self._spent_and_committed(full) + reserve * (mean or full) < self.device_s:
             return True
         # the estimate is only cold trials' (a worker's first pays what no later one does): one more trial, warm,
         # tells the next ones' cost; it may run past the budget by its own cost, as the last trial may
         finished = [e for e in self.manifest.trials.values() if e.get("state") in FINAL]
         return not running and _cold_only(finished) and self.device_spent() < self.device_s
+
+    def allows_reserved(self) -> bool:
+        """Whether a confirmation trial may start: what is spent and what the running trials may still spend leave
+        part of the device budget (the last one started may pass it by its own cost: one full trial)."""
+        if self.device_s is None:
+            return True
+        return self._spent_and_committed(self.full_trial() or 0.0) < self.device_s
 
     def record(self) -> dict[str, Any]:
         """``sweep.json``'s ``budget``: the limits, what was spent, what is left."""
@@ -173,7 +265,8 @@ class Budget:
                 "wall_hours": None if self.wall_s is None else self.wall_s / 3600.0,
                 "device_seconds_spent": spent, "wall_seconds_spent": self.wall_spent(),
                 "device_seconds_left": None if self.device_s is None else self.device_s - spent,
-                "trial_device_seconds": device, "trial_wall_seconds": wall}
+                "trial_device_seconds": device, "trial_wall_seconds": wall,
+                "full_trial_device_seconds": self.full_trial()}
 
 
 def budget_lines(manifest: Manifest) -> list[str]:

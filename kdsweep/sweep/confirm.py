@@ -10,9 +10,9 @@ workers and the teacher cache apply as to any trial), and the sweep's answer is 
   range, drawn from the sweeper's seed) run first, and the best of them by the search's objective is the baseline's.
 - **Sound statistics**: per point the mean over its seeds with a 95% Student-t interval; each comparison the line
   makes (``top1`` against CE-only, every other top point against ``top1``) paired on the seeds both completed,
-  printed with its unadjusted 95% interval and decided after Holm's correction across the comparisons made; with the smallest
-  difference its seeds could detect (two-sided 5%, power 80%) and, when it is not distinguishable, how many more
-  seeds would resolve the difference seen. At least 3 seeds.
+  printed with its unadjusted 95% interval and decided after Holm's correction across the comparisons made; with
+  the smallest difference its seeds could detect (two-sided 5%, power 80%) and, when it is not distinguishable, how
+  many more seeds would resolve the difference seen. At least 3 seeds.
 
 Its place in the sweep: :func:`plan` once no search trial runs and no more will start (the plan is written to
 ``sweep.json`` before any of its trials is asked, so a resumed controller continues the same plan);
@@ -282,6 +282,23 @@ def _judged(c: dict[str, Any], name: str, direction: str) -> str:
     return text + ")"
 
 
+def _shortfall(confirmation: dict[str, Any], trials: list[dict[str, Any]], tops: list[dict[str, Any]]) -> str:
+    """What the verdict lacks of what was asked, and why: fewer points than ``top`` (the search completed fewer),
+    trials the budget left unstarted (``cut``), points none of whose seeds completed."""
+    asked_top, notes = confirmation.get("asked_top", len(tops)), []
+    if len(tops) < asked_top:
+        notes.append(f"the search completed {len(tops)} distinct point(s) of the {asked_top} asked for confirmation")
+    started = {(t["confirm"]["label"], t["confirm"]["seed"]) for t in trials if t.get("confirm")}
+    missing = [i for i in confirmation["items"] if (i["label"], i["seed"]) not in started]
+    if missing:
+        notes.append(f"{len(confirmation['items']) - len(missing)} of its {len(confirmation['items'])} trials ran: "
+                     f"{confirmation.get('cut', 'the sweep ended')} before the rest")
+    unconfirmed = [r["label"] for r in tops if not r["seeds"]]
+    if unconfirmed:
+        notes.append(f"no seed of {', '.join(unconfirmed)} completed")
+    return "".join(f"; {n}" for n in notes)
+
+
 def verdict(confirmation: dict[str, Any], trials: list[dict[str, Any]], objectives: tuple[str, ...]) -> dict[str, Any]:
     """Per point: mean ± 95% over its seeds and its paired differences to CE-only and to ``top1``; the verdict line on
     ``top1``, the search's best: against CE-only, and each other top point against it, under Holm's correction."""
@@ -297,13 +314,11 @@ def verdict(confirmation: dict[str, Any], trials: list[dict[str, Any]], objectiv
         mean, half = _interval(list(by_label[p["label"]].values()))
         rows.append({**p, "seeds": sorted(by_label[p["label"]]), "mean": mean, "ci95": half})
     tops = [r for r in rows if r["label"] != BASELINE]
-    got = len([r for r in tops if r["seeds"]])
-    short = (f"; {got} of the {confirmation.get('asked_top', len(tops))} points asked were confirmed"
-             if got < confirmation.get("asked_top", len(tops)) else "")
+    short = _shortfall(confirmation, trials, tops)
     if not tops or not tops[0]["seeds"]:
         return {"points": rows, "best": None, "line": "the search's best was not confirmed: no verdict" + short}
     best = tops[0]
-    for r in tops:  # every paired difference, for the table; the line decides on top1 against CE-only and each
+    for r in rows:  # every paired difference, for the table; the line decides on top1 against CE-only and each
         r["vs_ce_only"] = _paired(by_label[r["label"]], by_label.get(BASELINE, {}))  # other top point against top1
         r["vs_best"] = _paired(by_label[r["label"]], by_label[best["label"]])
     holm([best["vs_ce_only"], *(r["vs_best"] for r in tops[1:])])

@@ -111,6 +111,13 @@ class Controller:
             log.info("confirmation: %s", confirm.baseline_text(plan))
         return confirm.next_item(plan, trials)
 
+    def _note_cut(self) -> None:
+        """The sweep ends with confirmation trials never asked: the budget left no room for them (the verdict says)."""
+        plan = self.manifest.data.get("confirmation")
+        if plan is not None and confirm.next_item(plan, list(self.manifest.trials.values())) is not None:
+            plan["cut"] = "the device budget was spent"
+            log.warning("confirmation: the device budget was spent before all of its trials could start")
+
     def _verdict(self) -> None:
         if "confirmation" not in self.manifest.data:
             return
@@ -307,12 +314,13 @@ class Controller:
             while len(running) < self._slots(running):
                 if self._search_may_ask():
                     self._ask_and_start()
-                elif (item := self._confirmation_item()) is not None:
+                elif (item := self._confirmation_item()) is not None and self.budget.allows_reserved():
                     self._ask_and_start(item)
                 else:
                     break
                 running.append(-1)
             if not running:
+                self._note_cut()
                 break
             self._keep_wall()
             time.sleep(self.settings.poll_s)

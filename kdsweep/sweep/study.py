@@ -17,8 +17,8 @@ SAMPLERS = ("tpe", "gp", "random", "grid")
 PRUNERS = ("percentile", "median", "halving", "hyperband", "none")
 PRUNER_READS = {"percentile": ("pruner_startup_trials", "pruner_warmup_steps", "pruner_grace", "pruner_percentile"),
                 "median": ("pruner_startup_trials", "pruner_warmup_steps", "pruner_grace"),
-                "halving": ("pruner_warmup_steps", "pruner_grace"), "hyperband": ("pruner_warmup_steps", "pruner_grace"),
-                "none": ()}
+                "halving": ("pruner_warmup_steps", "pruner_grace"),
+                "hyperband": ("pruner_warmup_steps", "pruner_grace"), "none": ()}
 """The pruner settings each pruner reads (another one set is a knob that does nothing: SweepSettings.idle_knobs)."""
 OBJECTIVES = ("student_ce", "kl", "teacher_ce")
 DIRECTIONS = ("minimize", "maximize")
@@ -121,8 +121,8 @@ class SweepSettings:
                f"hydra.sweeper.trial_hours={self.trial_hours} must be > 0 (or null: learnt from the first trials)")
         self._check_budget(confirm)
         _check(0 < self.pruner_percentile < 100, f"hydra.sweeper.pruner_percentile={self.pruner_percentile} must be in (0, 100)")
-        _check(0 <= self.pruner_grace < 1, f"hydra.sweeper.pruner_grace={self.pruner_grace} must be in [0, 1) (a share of "
-               "train.max_steps; 0: Optuna's own grace)")
+        _check(0 <= self.pruner_grace < 1, f"hydra.sweeper.pruner_grace={self.pruner_grace} must be in [0, 1) "
+               "(a share of train.max_steps; 0: Optuna's own grace)")
         _check(self.pruner_warmup_steps is None or self.pruner_warmup_steps >= 0,
                f"hydra.sweeper.pruner_warmup_steps={self.pruner_warmup_steps} must be >= 0 (null: pruner_grace of "
                "train.max_steps)")

@@ -163,3 +163,130 @@ def test_a_workers_one_time_start_up_is_not_expected_of_the_next_trials(tmp_path
     search = [t for t in manifest.trials.values() if not t.get("confirm")]
     assert manifest.data["budget"]["trial_device_seconds"] == pytest.approx(44.0)
     assert len(search) > 2 and 600 - 44 <= spent < 600 + 44, (len(search), spent)
+
+
+# -- trials that take time: heterogeneous, pruned, promoted and failing, several at once ---------------------------
+STEPS, FULL_S = 10, 100.0  # a trial's steps, and what one run to its end costs (device-seconds, one rank)
+
+
+class Clock:
+    """The controller's and the budget's clock: the controller's poll sleeps move it on by a second."""
+
+    def __init__(self) -> None:
+        import time
+
+        self.now = time.time()
+
+    def time(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += 1.0
+
+
+class Simulated:
+    """Jobs that take simulated time, as real trials: each start takes the next of ``plan`` — ("complete", seconds),
+    ("pruned", seconds) or ("fail", seconds) — and confirmation trials ("confirm" in their args) run
+    ``confirm_s`` to their end. While running, a job logs its steps (metrics.jsonl, at FULL_S / STEPS seconds a
+    step) and its record says it runs; at its end it writes the record a trial of that kind writes."""
+
+    def __init__(self, clock: Clock, plan: list[tuple[str, float]], confirm_s: float = FULL_S) -> None:
+        self.clock, self.plan, self.confirm_s, self.started = clock, list(plan), confirm_s, []
+
+    def start(self, args, run_dir: Path, alone=False):
+        confirming = any(a.startswith("train.seed=") for a in args)
+        kind, seconds = ("complete", self.confirm_s) if confirming else self.plan[len(self.started) % len(self.plan)]
+        self.started.append((kind, seconds, confirming))
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._write(run_dir, {"status": "running"})
+        return {"run_dir": str(run_dir), "t0": self.clock.now, "kind": kind, "seconds": seconds, "logs": []}
+
+    @staticmethod
+    def _write(run_dir: Path, record: dict) -> None:
+        base = {"world_size": 1, "config": {"train": {"max_steps": STEPS}}}
+        (Path(run_dir) / "run.json").write_text(json.dumps({**base, **record}))
+
+    def poll(self, job):
+        elapsed = self.clock.now - job["t0"]
+        steps = min(STEPS, int(min(elapsed, job["seconds"]) / (FULL_S / STEPS)))
+        rows = [{"kind": "train", "step": s} for s in range(1, steps + 1)]
+        (Path(job["run_dir"]) / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        if elapsed < job["seconds"]:
+            return None
+        cost = {"trial_seconds": job["seconds"], "device_seconds": job["seconds"], "startup_seconds": 0.0}
+        status = {"complete": "completed", "pruned": "pruned", "fail": "failed"}[job["kind"]]
+        self._write(job["run_dir"], {"status": status, "steps": steps, "cost": cost, "error": "RuntimeError: boom",
+                                     "eval_after": {"student_ce": 4.0 + len(self.started) / 1000}})
+        return 1 if job["kind"] == "fail" else 0
+
+    def find(self, args, run_dir):
+        return None
+
+    def close(self):
+        pass
+
+
+def timed_sweep(tmp_path, monkeypatch, backend, **settings):
+    monkeypatch.setattr("kdsweep.sweep.budget.time", backend.clock)
+    monkeypatch.setattr("kdsweep.sweep.controller.time", backend.clock)
+    s = SweepSettings(**{"study_name": "b", "sampler": "random", "seed": 0, "pruner": "none", "poll_s": 1.0,
+                         "max_concurrent": 3, **settings})
+    return Controller(s, parse_space(SPACE), ["train=smoke"], tmp_path, backend).run()
+
+
+MIXED = [("pruned", 30.0), ("complete", 100.0), ("pruned", 20.0), ("fail", 10.0), ("complete", 90.0),
+         ("pruned", 40.0), ("complete", 100.0), ("pruned", 30.0)]
+
+
+@pytest.mark.parametrize("budget_s", [1000.0, 1500.0])
+def test_a_mixed_sweep_with_confirmation_spends_its_budget_to_within_one_full_trial(tmp_path, monkeypatch, budget_s):
+    """Pruned early, promoted to the end and failing trials, 3 at once, then the best point and CE-only on 3 seeds:
+    the budget is what ends it, and budget - one full trial <= spent <= budget + one full trial."""
+    backend = Simulated(Clock(), MIXED)
+    manifest = timed_sweep(tmp_path, monkeypatch, backend, n_trials=None, budget=budget_s / 3600.0,
+                           confirm={"top": 1, "seeds": 3, "baseline_trials": 0})
+    full = max(s for kind, s, _ in backend.started if kind == "complete")  # the largest completed trial
+    assert budget_s - full <= spent(manifest) <= budget_s + full, (spent(manifest), len(backend.started))
+    states = {t["state"] for t in manifest.trials.values()}
+    assert {"COMPLETE", "PRUNED", "FAIL"} <= states
+    assert sum(confirming for *_, confirming in backend.started) == 6 and "trials ran" not in manifest.data["verdict"][
+        "line"]  # the confirmation got what it asked for
+
+
+def test_before_any_trial_ends_the_slots_do_not_all_start_whatever_the_budget(tmp_path, monkeypatch):
+    """Overrun path 1: nothing finished and no trial_hours: the first trial runs alone until its pace tells what a
+    trial costs (it used to start every slot: 3 trials of 100 on a budget of 150)."""
+    backend = Simulated(Clock(), [("complete", FULL_S)])
+    manifest = timed_sweep(tmp_path, monkeypatch, backend, n_trials=None, budget=150 / 3600.0)
+    assert spent(manifest) <= 150 + FULL_S and len(backend.started) == 2
+
+
+def test_a_running_trial_that_may_be_promoted_is_reserved_a_full_trial(tmp_path, monkeypatch):
+    """Overrun path 2: a history of trials pruned early (their median cost 10) made each running trial look nearly
+    paid for, so three promoted to the end started at once near the budget's end; a pruned trial now tells what it
+    would have cost at its end (its steps' pace: 100), and a running one is reserved that much."""
+    plan = [("pruned", 10.0)] * 6 + [("complete", FULL_S)] * 10
+    backend = Simulated(Clock(), plan)
+    manifest = timed_sweep(tmp_path, monkeypatch, backend, n_trials=None, budget=400 / 3600.0)
+    assert 400 - FULL_S <= spent(manifest) <= 400 + FULL_S, spent(manifest)
+
+
+def test_confirmation_trials_ask_the_budget_and_the_verdict_says_what_it_cut(tmp_path):
+    """Overrun path 3: confirmation trials started whatever was spent. Here the search spent 40 device-s (4 trials
+    of 10), the controller died starting the first confirmation trial, and the sweep is resumed with a budget of 30:
+    the trial it had asked runs (its number is the study's), no other starts (all 6 used to), and the verdict says
+    what the budget cut."""
+    from test_confirm import Recorded as Objective
+
+    s = dict(study_name="b", sampler="random", seed=0, pruner="none", poll_s=0.0, max_concurrent=2, n_trials=4,
+             confirm={"top": 1, "seeds": 3, "baseline_trials": 0})
+    space = {"kd_ratio": "interval(0.0,1.0)", "lora_rank": "choice(4,8,16)"}
+    with pytest.raises(KeyboardInterrupt):
+        Controller(SweepSettings(**s), parse_space(space), ["train=smoke"], tmp_path, Objective(stop_after=4)).run()
+    again = Objective()
+    manifest = Controller(SweepSettings(**{**s, "budget": 30 / 3600.0}), parse_space(space), ["train=smoke"],
+                          tmp_path, again).run()
+    assert len(again.started) == 1 and again.started[0]["train.seed"] == "1000"  # the one asked before the death
+    assert manifest.data["confirmation"]["cut"] == "the device budget was spent"
+    line = manifest.data["verdict"]["line"]
+    assert line.endswith("; 1 of its 6 trials ran: the device budget was spent before the rest"), line

@@ -259,9 +259,11 @@ def judged(top1, top2, ce_only, direction="minimize"):
     values = {"top1": top1, "top2": top2, "ce_only": ce_only}
     plan = {"objective": "student_ce", "index": 0, "direction": direction, "asked_top": 2,
             "points": [{"label": label, "params": {"kd_ratio": k, "lr": 0.01}, "search_trial": None}
-                       for label, k in (("top1", 0.5), ("top2", 0.6), ("ce_only", 0.0))]}
-    trials = [{"state": "COMPLETE", "confirm": {"label": label, "seed": SEED_BASE + s}, "values": [v]}
-              for label, vs in values.items() for s, v in enumerate(vs) if v is not None]
+                       for label, k in (("top1", 0.5), ("top2", 0.6), ("ce_only", 0.0))],
+            "items": [{"label": label, "seed": SEED_BASE + s} for label in values for s in range(3)]}
+    trials = [{"state": "COMPLETE" if v is not None else "FAIL", "confirm": {"label": label, "seed": SEED_BASE + s},
+               "values": [v] if v is not None else None}  # None: that seed's trial failed
+              for label, vs in values.items() for s, v in enumerate(vs)]
     return verdict(plan, trials, ("student_ce",))
 
 
@@ -304,9 +306,20 @@ def test_paired_differences_use_only_the_seeds_both_points_completed():
     top2 = next(r for r in v["points"] if r["label"] == "top2")
     assert top2["seeds"] == [SEED_BASE, SEED_BASE + 2] and top2["vs_best"]["seeds"] == 2
     assert top2["vs_best"]["mean"] == pytest.approx(statistics.fmean([0.005, 0.01]))
-    assert "2 of the 2 points" not in v["line"]
+    assert "completed" not in v["line"].split("baseline: ")[1]  # nothing missing is reported
 
 
-def test_a_point_asked_but_never_completed_is_said_so():
+def test_a_point_asked_but_never_completed_and_trials_never_run_are_said_so():
     v = judged([4.50, 4.52, 4.51], [None, None, None], [4.70, 4.71, 4.73])
-    assert v["line"].endswith("; 1 of the 2 points asked were confirmed")
+    assert v["line"].endswith("; no seed of top2 completed")
+    from kdsweep.sweep.confirm import verdict
+
+    plan = {"objective": "student_ce", "index": 0, "direction": "minimize", "asked_top": 2,
+            "points": [{"label": "top1", "params": {}}, {"label": "ce_only", "params": {}}],
+            "items": [{"label": label, "seed": SEED_BASE + s} for label in ("top1", "ce_only") for s in range(3)],
+            "cut": "the device budget was spent"}
+    trials = [{"state": "COMPLETE", "confirm": {"label": label, "seed": SEED_BASE + s}, "values": [4.5 + s / 100]}
+              for label in ("top1", "ce_only") for s in range(2)]
+    assert verdict(plan, trials, ("student_ce",))["line"].endswith(
+        "; the search completed 1 distinct point(s) of the 2 asked for confirmation; 4 of its 6 trials ran: the "
+        "device budget was spent before the rest")
