@@ -325,7 +325,7 @@ def verdict(confirmation: dict[str, Any], trials: list[dict[str, Any]], objectiv
     line = (f"{_point_text(best['params'])}: {best['mean']:.4f} ± {best['ci95']:.4f} over {len(best['seeds'])} seeds; "
             + _judged(best["vs_ce_only"], "CE-only", direction))
     for r in tops[1:]:
-        line += f"; {r['label']} " + _judged(r["vs_best"], "top1", direction)
+        line += f"; {r['label']}: " + _judged(r["vs_best"], "top1", direction)
     return {"points": rows, "best": best["label"], "line": f"{line}; {baseline_text(confirmation)}{short}"}
 
 
