@@ -58,7 +58,8 @@ class Controller:
         self.settings, self.space, self.base, self.sweep_dir, self.backend = settings, space, base_overrides, sweep_dir, backend
         sweep_dir.mkdir(parents=True, exist_ok=True)
         url = connect_url(settings, sweep_dir)  # a resumed command holds user:***@: the password from the env
-        storage = make_storage(url)  # unreachable: one line, before the sweep directory holds anything
+        # unreachable: one line, before the sweep directory holds anything
+        storage = make_storage(url, settings.storage_grace_s)
         self.manifest = Manifest.open(sweep_dir, settings, [p.describe() for p in space], base_overrides)
         os.environ[STORAGE_ENV] = url  # jobs get the storage (and any password) from their environment only
         self.study = optuna.create_study(

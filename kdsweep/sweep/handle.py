@@ -24,7 +24,7 @@ class TrialHandle:
 
         manifest = Manifest.load(Path(sweep_dir))
         settings = manifest.settings
-        storage = make_storage(connect_url(settings, Path(sweep_dir)))
+        storage = make_storage(connect_url(settings, Path(sweep_dir)), settings.storage_grace_s)
         # Optuna does not store the pruner: build the very one the controller uses, from the same settings.
         study = optuna.load_study(study_name=settings.study_name, storage=storage, pruner=make_pruner(settings))
         trial_id = storage.get_trial_id_from_study_id_trial_number(study._study_id, number)

@@ -80,6 +80,9 @@ class SweepSettings:
     directions: tuple[str, ...] = ("minimize",)
     retries: int = 1
     """How often a trial whose process was killed (not one that failed on its own) is restarted."""
+    storage_grace_s: float = 300.0
+    """How long the study's database may be away (a PostgreSQL restart, a failover) before the controller or a trial
+    gives up: every storage call is retried with backoff on fresh connections until then (kdsweep.sweep.patient)."""
     poll_s: float = 0.5
     enqueue: tuple[dict[str, Any], ...] = ()
     """Points to try first, in order (known-good settings, a baseline), before the sampler proposes any."""
@@ -113,6 +116,7 @@ class SweepSettings:
             f"{len(self.objectives)} objectives",
         )
         _check(self.retries >= 0, f"hydra.sweeper.retries={self.retries} must be >= 0")
+        _check(self.storage_grace_s >= 0, f"hydra.sweeper.storage_grace_s={self.storage_grace_s} must be >= 0 seconds")
         _check(self.workers is None or self.workers >= 0,
                f"hydra.sweeper.workers={self.workers} must be >= 0 (0: one job per trial; null: one worker per slot)")
         _check(self.worker_idle_s > 0, f"hydra.sweeper.worker_idle_s={self.worker_idle_s} must be > 0")
@@ -220,8 +224,9 @@ def storage_url(settings: SweepSettings, sweep_dir: Path) -> str:
     return settings.storage or f"sqlite:///{(sweep_dir / 'optuna.db').resolve()}"
 
 
-def make_storage(url: str) -> Any:
-    """An Optuna storage for ``url``; one clear line when it is on NFS (SQLite) or cannot be reached."""
+def make_storage(url: str, grace_s: float = 300.0) -> Any:
+    """An Optuna storage for ``url``; one clear line when it is on NFS (SQLite) or cannot be reached. A database
+    storage's calls outlive an outage of up to ``grace_s`` seconds (:mod:`kdsweep.sweep.patient`)."""
     import optuna
 
     if url.startswith("journal://"):
@@ -239,7 +244,9 @@ def make_storage(url: str) -> Any:
                 "use a journal file (journal:///path/study.log) or PostgreSQL (postgresql+psycopg2://user@host/db)"
             )
     try:
-        return optuna.storages.RDBStorage(url)
+        from kdsweep.sweep.patient import PatientRDBStorage
+
+        return PatientRDBStorage(url, grace_s)
     except Exception as e:  # SQLAlchemy's errors vary by driver: say what failed, without the password
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(

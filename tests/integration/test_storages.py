@@ -139,3 +139,66 @@ def test_an_unusable_database_is_one_line_without_the_password(case, tmp_path, r
     assert ("Connection refused" if case == "closed_port" else "password authentication failed") in lines[0]
     assert secret not in proc.stdout + proc.stderr and files_holding(tmp_path, secret) == []
     assert not any(p.is_dir() and p.name.isdigit() for p in sweep_dir.glob("*")), "no trial may start"
+
+
+def test_a_postgresql_restart_mid_sweep_costs_nothing(tmp_path, zoo_dirs, postgres_server):
+    """The real server stopped (pg_ctl -m fast: every session ended) while two trials run and report, and started
+    again 10 s later: the sweep completes without a resume, every trial COMPLETE on its merits and none FAIL; the
+    controller and the trials waited for it (kdsweep.sweep.patient)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_workers import train_steps, wait_for
+
+    url = fresh_database(postgres_server, "kdsweep_test_restart")
+    postgres = Path(__file__).resolve().parents[2] / "launchers" / "postgres"
+    with ThreadPoolExecutor(1) as pool:
+        run = pool.submit(tiny_sweep, tmp_path, "restart", f"hydra.sweeper.storage={url}", "train.max_steps=120",
+                          "train.eval_every=5", check=False)
+        sweep_dir = tmp_path / "sweep"
+        wait_for(lambda: all(len(train_steps(sweep_dir / str(n))) >= 5 for n in (0, 1)), "both trials' 5th step")
+        subprocess.run(["bash", str(postgres / "down.sh")], check=True, capture_output=True, timeout=120)
+        stopped = time.time()
+        time.sleep(10)
+        subprocess.run(["bash", str(postgres / "up.sh")], check=True, capture_output=True, timeout=300)
+        sweep_dir, proc = run.result(timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    study = optuna.load_study(study_name="restart", storage=url)
+    assert [t.state.name for t in study.get_trials()] == ["COMPLETE"] * 2
+    manifest = json.loads((sweep_dir / "sweep.json").read_text())["trials"]
+    assert all(t["state"] == "COMPLETE" and t["attempts"] == 1 for t in manifest.values())
+    # the trials were reporting when the server went: they waited, and went on after it came back
+    waited = [line for n in (0, 1) for line in (sweep_dir / str(n) / "kdsweep.log").read_text().splitlines()
+              if "the study's storage is away" in line]
+    assert waited, "no trial reported while the server was down"
+    assert all(max(train_steps(sweep_dir / str(n))) == 120 for n in (0, 1))
+    assert time.time() - stopped < 300
+
+
+def test_a_storage_away_longer_than_its_grace_ends_the_controller_in_one_line_and_resume_goes_on(
+        tmp_path, zoo_dirs, postgres_server):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_workers import train_steps, wait_for
+
+    url = fresh_database(postgres_server, "kdsweep_test_away")
+    postgres = Path(__file__).resolve().parents[2] / "launchers" / "postgres"
+    with ThreadPoolExecutor(1) as pool:
+        run = pool.submit(tiny_sweep, tmp_path, "away", f"hydra.sweeper.storage={url}", "train.max_steps=120",
+                          "train.eval_every=5", "hydra.sweeper.storage_grace_s=2", check=False)
+        sweep_dir = tmp_path / "sweep"
+        wait_for(lambda: len(train_steps(sweep_dir / "0")) >= 5, "trial 0's 5th step")
+        subprocess.run(["bash", str(postgres / "down.sh")], check=True, capture_output=True, timeout=120)
+        try:
+            sweep_dir, proc = run.result(timeout=300)
+        finally:
+            subprocess.run(["bash", str(postgres / "up.sh")], check=True, capture_output=True, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and lines[-1].startswith("kdsweep: error: the study's storage was away longer than "
+                                                         "hydra.sweeper.storage_grace_s"), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and password_of(url) not in proc.stderr
+    hint = lines[-1].split("`")[1]  # what the line says to run, run
+    assert hint == f"kdsweep resume {sweep_dir}"
+    resumed = cli(*hint.split()[1:], env={**os.environ, "KDSWEEP_STORAGE_URL": url})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    study = optuna.load_study(study_name="away", storage=url)
+    assert len(study.get_trials()) == 2 and all(t.state.name in ("COMPLETE", "FAIL") for t in study.get_trials())

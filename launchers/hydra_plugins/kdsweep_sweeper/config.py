@@ -37,6 +37,7 @@ class KdsweepOptunaConf:
     objectives: List[str] = field(default_factory=lambda: ["student_ce"])
     directions: List[str] = field(default_factory=lambda: ["minimize"])
     retries: int = 1
+    storage_grace_s: float = 300.0
     poll_s: float = 0.5
     enqueue: List[Any] = field(default_factory=list)
     params: Dict[str, str] = field(default_factory=dict)

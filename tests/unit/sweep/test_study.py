@@ -176,3 +176,22 @@ def test_the_default_pruner_is_halving_with_a_grace_period_that_follows_train_ma
         SweepSettings(pruner_grace=1.0)
     assert SweepSettings(pruner="none", pruner_grace=0.3).idle_knobs() == [
         "hydra.sweeper.pruner_grace=0.3 does nothing with hydra.sweeper.pruner=none"]
+
+
+def test_every_storage_method_optuna_s_cache_calls_is_retried_through_an_outage():
+    """Optuna's _CachedStorage (what a study wraps an RDB storage in) calls these on it: each must be a patient one,
+    or an Optuna upgrade that calls another would fail the sweep on a database restart again."""
+    import inspect
+    import re
+
+    from optuna.storages import _cached_storage
+    from optuna.storages import RDBStorage
+
+    from kdsweep.sweep.patient import PATIENT, PatientRDBStorage
+
+    heartbeat = {"get_heartbeat_interval", "get_heartbeat_stale_trial_callback", "record_heartbeat"}  # not used
+    called = set(re.findall(r"_backend\.(\w+)\(", inspect.getsource(_cached_storage))) - heartbeat
+    assert called and called <= set(PATIENT)
+    for name in PATIENT:
+        assert getattr(PatientRDBStorage, name) is not getattr(RDBStorage, name)
+        assert getattr(PatientRDBStorage, name).__wrapped__ is getattr(RDBStorage, name)
