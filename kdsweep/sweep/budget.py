@@ -65,27 +65,27 @@ def _cost(entry: dict[str, Any]) -> tuple[dict[str, Any], int]:
     return record.get("cost") or {}, int(record.get("world_size") or 1)
 
 
-def _next_costs(entries: list[dict[str, Any]]) -> list[tuple[float, float]]:
-    """What these finished trials tell of the next one's cost: their device-seconds and wall seconds. On warm
-    workers the next trials start warm: once a warm trial has finished, only the warm ones count; before, each
-    first (cold) trial less its worker's own start-up before it took the trial (``boot_seconds``)."""
-    seen = []
-    for record in map(_record, entries):
-        cost, ranks = record.get("cost") or {}, int(record.get("world_size") or 1)
-        if cost.get("device_seconds"):
-            seen.append((cost, ranks, (record.get("environment") or {}).get("worker") or {}))
-    if any(w.get("start") == "warm" for _, _, w in seen):
-        seen = [(c, ranks, w) for c, ranks, w in seen if w.get("start") == "warm"]
-    return [(c["device_seconds"] - w.get("boot_seconds", 0.0) * ranks, c.get("trial_seconds", 0.0) - w.get("boot_seconds", 0.0))
-            for c, ranks, w in seen]
+def _worker(record: dict[str, Any]) -> dict[str, Any]:
+    return (record.get("environment") or {}).get("worker") or {}
 
 
 def _warm_filter(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The records that tell what the next trials cost: on warm workers, the warm trials' once one has finished."""
-    worker = lambda r: (r.get("environment") or {}).get("worker") or {}
-    if any(worker(r).get("start") == "warm" for r in records):
-        return [r for r in records if worker(r).get("start") == "warm"]
+    """The records that tell what the next trials cost: on warm workers the next trials start warm, so once a warm
+    trial has finished only the warm ones count."""
+    if any(_worker(r).get("start") == "warm" for r in records):
+        return [r for r in records if _worker(r).get("start") == "warm"]
     return records
+
+
+def _next_costs(entries: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """What these finished trials tell of the next one's cost: their device-seconds and wall seconds (the warm ones'
+    once one has finished, :func:`_warm_filter`); a first (cold) trial's less its worker's own start-up before it
+    took the trial (``boot_seconds``)."""
+    out = []
+    for record in _warm_filter([r for r in map(_record, entries) if (r.get("cost") or {}).get("device_seconds")]):
+        cost, ranks, boot = record["cost"], int(record.get("world_size") or 1), _worker(record).get("boot_seconds", 0.0)
+        out.append((cost["device_seconds"] - boot * ranks, cost.get("trial_seconds", 0.0) - boot))
+    return out
 
 
 def full_cost(record: dict[str, Any]) -> float | None:
@@ -93,7 +93,7 @@ def full_cost(record: dict[str, Any]) -> float | None:
     one's as recorded; a pruned one's start-up once and its steps' cost scaled to ``train.max_steps``; None when its
     record does not tell (failed, or no steps)."""
     cost, ranks = record.get("cost") or {}, int(record.get("world_size") or 1)
-    boot = float(((record.get("environment") or {}).get("worker") or {}).get("boot_seconds", 0.0)) * ranks
+    boot = float(_worker(record).get("boot_seconds", 0.0)) * ranks
     device = float(cost.get("device_seconds") or 0.0) - boot
     if device <= 0 or record.get("status") not in ("completed", "pruned"):
         return None
@@ -128,7 +128,7 @@ def _progress(entry: dict[str, Any]) -> tuple[int, int] | None:
 
 def _cold_only(entries: list[dict[str, Any]]) -> bool:
     """Warm workers whose finished trials were all their first (cold): no trial has shown what a warm one costs."""
-    starts = [((r.get("environment") or {}).get("worker") or {}).get("start") for r in map(_record, entries)]
+    starts = [_worker(r).get("start") for r in map(_record, entries)]
     return bool(starts) and all(s == "cold" for s in starts)
 
 

@@ -270,7 +270,7 @@ def _judged(c: dict[str, Any], name: str, direction: str) -> str:
     if math.isnan(c["ci95"]):
         return f"{name} not confirmed on 2 or more shared seeds"
     gain = -_signed(c["mean"], direction)  # > 0: the first is better
-    t = f"Holm over {c['holm_of']} comparisons: t={c['holm_t']:.3f}"
+    t = f"Holm over {c['holm_of']} comparison{'s' if c['holm_of'] != 1 else ''}: t={c['holm_t']:.3f}"
     if c["distinct"]:
         who = f"beats {name}" if gain > 0 else f"{name} beats it"
         return f"{who} by {abs(gain):.4f} ± {c['ci95']:.4f} ({c['seeds']} seeds; {t})"

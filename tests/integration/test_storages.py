@@ -152,7 +152,7 @@ def test_a_postgresql_restart_mid_sweep_costs_nothing(tmp_path, zoo_dirs, postgr
     url = fresh_database(postgres_server, "kdsweep_test_restart")
     postgres = Path(__file__).resolve().parents[2] / "launchers" / "postgres"
     with ThreadPoolExecutor(1) as pool:
-        run = pool.submit(tiny_sweep, tmp_path, "restart", f"hydra.sweeper.storage={url}", "train.max_steps=120",
+        run = pool.submit(tiny_sweep, tmp_path, "restart", f"hydra.sweeper.storage={url}", "train.max_steps=60",
                           "train.eval_every=5", check=False)
         sweep_dir = tmp_path / "sweep"
         wait_for(lambda: all(len(train_steps(sweep_dir / str(n))) >= 5 for n in (0, 1)), "both trials' 5th step")
@@ -170,7 +170,7 @@ def test_a_postgresql_restart_mid_sweep_costs_nothing(tmp_path, zoo_dirs, postgr
     waited = [line for n in (0, 1) for line in (sweep_dir / str(n) / "kdsweep.log").read_text().splitlines()
               if "the study's storage is away" in line]
     assert waited, "no trial reported while the server was down"
-    assert all(max(train_steps(sweep_dir / str(n))) == 120 for n in (0, 1))
+    assert all(max(train_steps(sweep_dir / str(n))) == 60 for n in (0, 1))
     assert time.time() - stopped < 300
 
 
