@@ -192,21 +192,26 @@ class Budget:
         finished = sum(e.get("state") in FINAL for e in self.manifest.trials.values())
         return idle_device_seconds(self.manifest.path.parent) / finished if finished else 0.0
 
-    def reserved_trial(self) -> float | None:
-        """What each reserved trial (a confirmation's: run to its end) is expected to cost: the finished trials' mean
-        device-seconds at their end (:func:`full_cost`) and their share of the workers' idle time; before any has
-        finished, ``trial_hours`` or the running trials' projection."""
+    def _trial_costs(self) -> tuple[float | None, float | None]:
+        """(the most, the mean) a trial run to its end costs: the finished trials' device-seconds at their end
+        (:func:`full_cost`) and their share of the workers' idle time; before any has finished, ``trial_hours`` or
+        the running trials' projection for both. One pass over the records and the workers' idle time."""
         costs = self._full_costs()
         if not costs:
-            return self.estimate or self._projected()
-        return statistics.fmean(costs) + self._idle_share()
+            guess = self.estimate or self._projected()
+            return guess, guess
+        idle = self._idle_share()
+        return max(costs) + idle, statistics.fmean(costs) + idle
+
+    def reserved_trial(self) -> float | None:
+        """What each reserved trial (a confirmation's: run to its end) is expected to cost: the mean of
+        :meth:`_trial_costs`."""
+        return self._trial_costs()[1]
 
     def full_trial(self) -> float | None:
-        """The most a trial run to its end costs: the largest of the finished trials' :func:`full_cost` (the budget's
-        tolerance: a sweep ends within one of these of its budget); before any has finished, as
-        :meth:`reserved_trial`."""
-        costs = self._full_costs()
-        return max(costs) + self._idle_share() if costs else self.estimate or self._projected()
+        """The most a trial run to its end costs (the budget's tolerance: a sweep ends within one of these of its
+        budget): the largest of :meth:`_trial_costs`."""
+        return self._trial_costs()[0]
 
     def _projected(self) -> float | None:
         """The running trials' own pace projected to their last step: their device-seconds so far over the share
@@ -219,12 +224,12 @@ class Budget:
         return max(seen) if seen else None
 
     # -- what may start ----------------------------------------------------------------------------------------
-    def _spent_and_committed(self, full: float) -> float:
-        """What is spent, and what the running trials may still spend: each up to a full trial (it may be promoted
-        to its end); both at one instant, so a running trial counts a full trial in all."""
+    def _spent_and_committed(self, each: float) -> float:
+        """What is spent, and what the running trials will still spend, each up to ``each`` device-seconds in all;
+        both at one instant, so a running trial counts ``each`` in all."""
         now = time.time()
         running = [e for e in self.manifest.trials.values() if e.get("state") not in FINAL]
-        return self.device_spent(now) + sum(max(full - self.trial_spent(e, now), 0.0) for e in running)
+        return self.device_spent(now) + sum(max(each - self.trial_spent(e, now), 0.0) for e in running)
 
     def allows(self, reserve: int = 0, at_once: int = 1) -> bool:
         """Whether another search trial may start: spent + what the running trials may still spend + ``reserve``
@@ -240,10 +245,10 @@ class Budget:
         if self.device_s is None:
             return True
         running = [e for e in self.manifest.trials.values() if e.get("state") not in FINAL]
-        full, mean = self.full_trial(), self.reserved_trial()
+        full, mean = self._trial_costs()
         if full is None:  # nothing is known of a trial's cost: one runs until its pace tells
             return not running and self.device_spent() < self.device_s
-        if self._spent_and_committed(full) + reserve * (mean or full) < self.device_s:
+        if self._spent_and_committed(full) + reserve * mean < self.device_s:  # a running trial may be promoted
             return True
         # the estimate is only cold trials' (a worker's first pays what no later one does): one more trial, warm,
         # tells the next ones' cost; it may run past the budget by its own cost, as the last trial may

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kdsweep.config.schema import ConfigError
+from kdsweep.sweep.manifest import FINAL
 
 SEED_BASE = 1000
 """Confirmation seeds are ``train.seed`` = ``rollout.seed`` = 1000, 1001, …: not the search's (0 unless set)."""
@@ -41,7 +42,6 @@ own keys, after theirs on the command line (so they win over a top-level knob's 
 BASELINE = "ce_only"
 BASELINE_SEARCH = "ce_lr"
 """Labels ``ce_lr1`` … of the CE-only learning-rate trials (run at the search's own seeds, before the seeds)."""
-FINAL = ("COMPLETE", "PRUNED", "FAIL")
 ALPHA, POWER = 0.05, 0.80
 """The verdict's level (two-sided, family-wise under Holm's correction) and the power of its detectable difference."""
 
@@ -183,10 +183,15 @@ def settle_baseline(confirmation: dict[str, Any], trials: list[dict[str, Any]]) 
     return True
 
 
+def _asked(trials: list[dict[str, Any]]) -> set[tuple[str, int | None]]:
+    """The (label, seed) of every confirmation item a trial was asked for."""
+    return {(t["confirm"]["label"], t["confirm"]["seed"]) for t in trials if t.get("confirm")}
+
+
 def next_item(confirmation: dict[str, Any], trials: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The first item of the plan no trial runs yet (None: every one was asked, or what is left waits for the CE-only
     learning rate)."""
-    asked = {(t["confirm"]["label"], t["confirm"]["seed"]) for t in trials if t.get("confirm")}
+    asked = _asked(trials)
     waiting = _pending(confirmation)
     return next((i for i in confirmation["items"] if (i["label"], i["seed"]) not in asked
                  and not (waiting and i["label"] == BASELINE)), None)
@@ -226,13 +231,12 @@ def _paired(a: dict[int, float], b: dict[int, float]) -> dict[str, Any]:
     seeds = sorted(set(a) & set(b))
     diffs = [a[s] - b[s] for s in seeds]
     mean, half = _interval(diffs)
-    sd = statistics.stdev(diffs) if len(diffs) >= 2 else math.nan
     if len(diffs) < 2:
-        p = math.nan
-    elif sd == 0:
-        p = 0.0 if mean != 0 else 1.0
+        sd = p = math.nan
     else:
-        p = float(2 * student_t.sf(abs(mean) / (sd / math.sqrt(len(diffs))), len(diffs) - 1))
+        sd = statistics.stdev(diffs)
+        t = abs(mean) / (sd / math.sqrt(len(diffs))) if sd > 0 else math.inf if mean != 0 else 0.0
+        p = float(2 * student_t.sf(t, len(diffs) - 1))  # no spread: p 0 for a difference, 1 for none
     return {"mean": mean, "ci95": half, "seeds": len(diffs), "sd": sd, "p": p}
 
 
@@ -288,7 +292,7 @@ def _shortfall(confirmation: dict[str, Any], trials: list[dict[str, Any]], tops:
     asked_top, notes = confirmation.get("asked_top", len(tops)), []
     if len(tops) < asked_top:
         notes.append(f"the search completed {len(tops)} distinct point(s) of the {asked_top} asked for confirmation")
-    started = {(t["confirm"]["label"], t["confirm"]["seed"]) for t in trials if t.get("confirm")}
+    started = _asked(trials)
     missing = [i for i in confirmation["items"] if (i["label"], i["seed"]) not in started]
     if missing:
         notes.append(f"{len(confirmation['items']) - len(missing)} of its {len(confirmation['items'])} trials ran: "

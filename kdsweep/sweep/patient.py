@@ -37,6 +37,11 @@ class PatientRDBStorage(RDBStorage):
         self.grace_s = grace_s
 
 
+def cause_line(e: BaseException) -> str:
+    """The first line of what a storage error says of its cause (the driver's own error), at most 200 characters."""
+    return (str(e.__cause__ or e).strip().splitlines() or [type(e).__name__])[0][:200]
+
+
 def _patient(method: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(method)
     def call(self: PatientRDBStorage, *args: Any, **kwargs: Any) -> Any:
@@ -47,9 +52,8 @@ def _patient(method: Callable[..., Any]) -> Callable[..., Any]:
             except optuna.exceptions.StorageInternalError as e:
                 if time.monotonic() + wait > deadline:
                     raise
-                cause = str(e.__cause__ or e).strip().splitlines()
-                log.warning("the study's storage is away (%s): retrying %s in %.1f s", cause[0][:200] if cause else
-                            type(e).__name__, method.__name__, wait)
+                log.warning("the study's storage is away (%s): retrying %s in %.1f s", cause_line(e), method.__name__,
+                            wait)
                 self.engine.dispose()  # the next try opens fresh connections
                 time.sleep(wait)
                 wait = min(2 * wait, LONGEST_WAIT_S)
@@ -61,4 +65,4 @@ for _name in PATIENT:
     setattr(PatientRDBStorage, _name, _patient(getattr(RDBStorage, _name)))
 
 
-__all__ = ["PATIENT", "PatientRDBStorage"]
+__all__ = ["PATIENT", "PatientRDBStorage", "cause_line"]

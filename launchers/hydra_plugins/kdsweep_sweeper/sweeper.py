@@ -31,11 +31,12 @@ class KdsweepOptunaSweeper(Sweeper):
         except Exception as e:  # the storage away longer than the grace (kdsweep.sweep.patient): one line
             import optuna  # imported by the controller already: optuna is not paid for by every job's start
 
+            from kdsweep.sweep.patient import cause_line
             from kdsweep.sweep.study import redact
 
             if not isinstance(e, optuna.exceptions.StorageInternalError):
                 raise
-            cause = (str(e.__cause__ or e).strip().splitlines() or [type(e).__name__])[0][:200]
+            cause = cause_line(e)
             sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
             fail(f"the study's storage was away longer than hydra.sweeper.storage_grace_s ({redact(cause)}); every "
                  f"trial's record is kept: once it is back, `kdsweep resume {sweep_dir}` goes on", None)
