@@ -16,7 +16,8 @@ that has not logged a step yet tells nothing, and no other trial starts until on
 
 The controller asks for a search trial while what is spent, plus what the running trials may still spend, plus the
 confirmation's reserve (:meth:`Budget.allows`) leaves part of the budget; a confirmation trial while what is spent
-and what the running trials may still spend leaves part of it (:meth:`Budget.allows_reserved`). So whatever the mix
+and what the running confirmation trials will still spend (a mean trial each, as reserved) leaves part of it
+(:meth:`Budget.allows_reserved`). So whatever the mix
 of pruned, promoted and failed trials, the sweep spends at most its budget and one full trial, and a search stopped
 by it leaves only the confirmation's reserve. The wall-clock limit starts no trial that would end after it (a trial
 takes the finished trials' median wall seconds). A resumed sweep continues both: the records are on disk, and the
@@ -256,11 +257,13 @@ class Budget:
         return not running and _cold_only(finished) and self.device_spent() < self.device_s
 
     def allows_reserved(self) -> bool:
-        """Whether a confirmation trial may start: what is spent and what the running trials may still spend leave
-        part of the device budget (the last one started may pass it by its own cost: one full trial)."""
+        """Whether a confirmation trial may start: what is spent and what the running ones will still spend leave part
+        of the device budget (the last one started may pass it by its own cost: one full trial). Running confirmation
+        trials all run to their end, so each counts a trial's mean cost, the price the search reserved them at (the
+        largest would cut the last of them whenever the search left exactly their reserve)."""
         if self.device_s is None:
             return True
-        return self._spent_and_committed(self.full_trial() or 0.0) < self.device_s
+        return self._spent_and_committed(self.reserved_trial() or 0.0) < self.device_s
 
     def record(self) -> dict[str, Any]:
         """``sweep.json``'s ``budget``: the limits, what was spent, what is left."""

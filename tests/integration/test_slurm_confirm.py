@@ -43,9 +43,16 @@ def test_a_budgeted_sweep_confirms_its_top_points_on_slurm_workers_through_a_con
     search_trials = [t for t in trials if not t.get("confirm")]
     confirmation = [t for t in trials if t.get("confirm")]
     assert len(search_trials) >= 2 and all(t["state"] == "COMPLETE" for t in trials)
-    # exactly 2 × 3 + 3 confirmation trials, each (point, seed) once through the kill, every seed in its run.json
+    # each (point, seed) once through the kill, every seed in its run.json: all 2 × 3 + 3, unless the budget was
+    # spent first (confirmation trials ask it too; the workers' idle time while no controller ran counts, so the
+    # last of them may not fit), which the verdict then says and the record shows
     keys = [(t["confirm"]["label"], t["confirm"]["seed"]) for t in confirmation]
-    assert len(keys) == len(set(keys)) == 2 * 3 + 3
+    planned_keys = [(i["label"], i["seed"]) for i in data["confirmation"]["items"]]
+    assert len(keys) == len(set(keys)) and keys == planned_keys[:len(keys)] and len(planned_keys) == 2 * 3 + 3
+    if len(keys) < 9:
+        assert data["verdict"]["line"].endswith(f"; {len(keys)} of its 9 trials ran: the device budget was spent "
+                                                "before the rest") and len(keys) >= 7
+        assert data["budget"]["device_seconds_spent"] >= BUDGET_S
     values: dict[str, dict[int, float]] = {}
     for t in confirmation:
         record = read_run(Path(t["run_dir"]))
@@ -60,13 +67,17 @@ def test_a_budgeted_sweep_confirms_its_top_points_on_slurm_workers_through_a_con
     for label, by_seed in values.items():
         mean, half = interval(list(by_seed.values()))
         assert rows[label]["mean"] == pytest.approx(mean, rel=1e-12) and rows[label]["ci95"] == pytest.approx(half)
-        diff, diff_half = interval([by_seed[s] - values["ce_only"][s] for s in by_seed])
+        shared = [by_seed[s] - values["ce_only"][s] for s in by_seed if s in values["ce_only"]]
+        if len(shared) < 2:  # CE-only cut to one seed: no interval
+            assert math.isnan(rows[label]["vs_ce_only"]["ci95"])
+            continue
+        diff, diff_half = interval(shared)
         assert rows[label]["vs_ce_only"]["mean"] == pytest.approx(diff, abs=1e-12)
         assert rows[label]["vs_ce_only"]["ci95"] == pytest.approx(diff_half, abs=1e-12)
     assert verdict["best"] == "top1" and "over 3 seeds" in verdict["line"]  # the search's best, fixed beforehand
     assert study(sweep_dir, "answer").user_attrs["verdict"] == verdict["line"]
     status = kdsweep("status", str(sweep_dir), cwd=tmp_path).stdout
-    assert f"verdict: {verdict['line']}" in status and "9 of 9 confirmation trials" in status
+    assert f"verdict: {verdict['line']}" in status and f"{len(keys)} of 9 confirmation trials" in status
     # the search stopped for the budget: what it had spent and the confirmation's 9 trials at the cost the trials so
     # far showed (the budget's reserve) come to the budget, give or take a few trials: the 2 trials in flight when
     # the last was asked may each cost more than expected on a loaded machine (seen: 2.4 trials over with the other
