@@ -79,13 +79,15 @@ class Sweep:
 
     def confirmation(self) -> pd.DataFrame:
         """One row per confirmed point (the search's top points and CE-only): label, ``param.<key>``, seeds (how
-        many completed), mean and ci95 (the 95% half-width over seeds) of the objective it ranks on, and the paired
+        many completed), mean and ci95 (the 95% half-width over seeds) of the objective it ranks on, on ``split``
+        (test; eval for a sweep planned without one), its mean on the eval split (``eval_mean``), and the paired
         differences to CE-only and to the best point (``vs_ce_only.mean`` / ``.ci95``, ``vs_best.*``), as the
         verdict computed them; empty without a verdict."""
-        columns = ["label", *(f"param.{k}" for k in self.params), "seeds", "mean", "ci95", "vs_ce_only.mean",
-                   "vs_ce_only.ci95", "vs_best.mean", "vs_best.ci95"]
+        columns = ["label", *(f"param.{k}" for k in self.params), "seeds", "split", "mean", "ci95", "eval_mean",
+                   "vs_ce_only.mean", "vs_ce_only.ci95", "vs_best.mean", "vs_best.ci95"]
         rows = [{"label": p["label"], **{f"param.{k}": p["params"].get(k) for k in self.params},
-                 "seeds": len(p["seeds"]), "mean": p["mean"], "ci95": p["ci95"],
+                 "seeds": len(p["seeds"]), "split": p.get("split", "eval"), "mean": p["mean"], "ci95": p["ci95"],
+                 "eval_mean": p.get("eval_mean", p["mean"]),
                  **{f"{ref}.{x}": (p.get(ref) or {}).get(x) for ref in ("vs_ce_only", "vs_best") for x in ("mean", "ci95")}}
                 for p in (self.manifest.get("verdict") or {}).get("points", [])]
         return pd.DataFrame.from_records(rows, columns=columns)

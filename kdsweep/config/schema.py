@@ -199,8 +199,15 @@ class DataConfig:
     """Held-out sources; empty means a seeded ``eval_fraction`` of every training source is held out."""
     eval_fraction: float = 0.05
     """Fraction of each training source's rows held out for evaluation when no ``eval_datasets`` are given."""
+    test_datasets: tuple[DatasetConfig, ...] = ()
+    """Test sources: rows no search selects on (the sweep's confirmation scores its verdict on them); empty means a
+    seeded ``test_fraction`` of every training source, when that is above 0."""
+    test_fraction: float = 0.0
+    """Fraction of each training source's rows held out as the test split (taken after the eval rows, which it leaves
+    as they are; the training rows lose it): evaluated once after training under ``train.eval_test``. The shipped
+    searches set 0.05; 0 with no ``test_datasets``: no test split."""
     split_seed: int = 1234
-    """Seed of the held-out split and of the mix; separate from ``train.seed`` so a seed sweep keeps its data."""
+    """Seed of the held-out splits and of the mix; separate from ``train.seed`` so a seed sweep keeps its data."""
     mix: str = "concat"
     """``concat``: every sample of every source once; ``weighted``: sources drawn in proportion to their weights
     (up- or down-sampled, seeded) into ``mix_samples`` samples."""
@@ -252,12 +259,18 @@ class DataConfig:
             bool(self.eval_datasets) or self.eval_fraction > 0,
             "data has no eval split: set data.eval_datasets=[...] or data.eval_fraction to a value in (0, 1)",
         )
+        held = (0.0 if self.eval_datasets else self.eval_fraction) + (0.0 if self.test_datasets else self.test_fraction)
+        _check(
+            0.0 <= self.test_fraction < 1.0 and held < 1.0,
+            f"data.test_fraction={self.test_fraction} must be in [0, 1) and leave training rows beside "
+            f"data.eval_fraction={self.eval_fraction}; e.g. data.test_fraction=0.05",
+        )
         for knob, value, allowed in (("mix", self.mix, MIXES), ("sequences", self.sequences, SEQUENCES),
                                      ("truncation", self.truncation, TRUNCATIONS),
                                      ("pack_strategy", self.pack_strategy, PACK_STRATEGIES)):
             _check(value in allowed, f"data.{knob}={value} is unknown; use one of {', '.join(allowed)}")
         _check(self.mix_samples >= 0, f"data.mix_samples={self.mix_samples} must be >= 0 (0 = the sources' size)")
-        for key in ("datasets", "eval_datasets"):
+        for key in ("datasets", "eval_datasets", "test_datasets"):
             for i, ds in enumerate(getattr(self, key)):
                 where = f"data.{key}[{i}]"
                 _check(ds.format in FORMATS, f"{where}.format={ds.format} is an unknown data format; use one of "
@@ -271,6 +284,11 @@ class DataConfig:
             _check(sum(ds.weight for ds in self.datasets) > 0,
                    f"data.datasets weights sum to {sum(ds.weight for ds in self.datasets)}; give at least one "
                    "dataset a positive weight")
+
+    @property
+    def has_test(self) -> bool:
+        """Whether the data has a test split."""
+        return bool(self.test_datasets) or self.test_fraction > 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -427,6 +445,9 @@ class TrainConfig:
     """TF32 tensor cores for fp32 matmuls on CUDA (Ampere and later); no effect on CPU."""
     threads: int = 0
     """torch intra-op threads on CPU; 0 keeps torch's default."""
+    eval_test: bool = False
+    """Evaluate the test split (``data.test_fraction`` or ``data.test_datasets``) once after training (run.json's
+    ``test_after``); the sweep's confirmation trials set it, the search's never do."""
 
     def __post_init__(self) -> None:
         _check(self.max_steps >= 1, f"train.max_steps={self.max_steps} must be >= 1")
@@ -646,6 +667,10 @@ class RunConfig:
         self._check_teachers()
         self._check_cache()
         self._check_rollout()
+        _check(not self.train.eval_test or self.data.has_test,
+               "train.eval_test=true but data has no test split; set data.test_fraction=0.05 (or data.test_datasets)")
+        _check(not self.train.eval_test or self.teacher.logits == "live",
+               "train.eval_test=true: teacher.logits=cache holds no test rows; pass teacher.logits=live")
         pr = self.profiler
         _check(
             not pr.enabled or pr.wait + pr.warmup + pr.active <= self.train.max_steps,

@@ -14,8 +14,8 @@ from pathlib import Path
 from kdsweep import hub
 from kdsweep.config.schema import ConfigError, RunConfig
 from kdsweep.data.formats import FormatSpec, chat_template, check_row
-from kdsweep.data.mixing import hold_out
-from kdsweep.data.sources import eval_sources, read_rows, train_sources
+from kdsweep.data.mixing import split_indices
+from kdsweep.data.sources import eval_sources, read_rows, test_sources, train_sources
 
 PEEK = 100
 """Rows of each source checked before launch."""
@@ -32,7 +32,8 @@ def has_chat_template(tokenizer_dir: Path) -> bool:
 def preflight_data(cfg: RunConfig) -> None:
     d = cfg.data
     template = chat_template(d.chat_template)
-    chat_sources = [key for key, ds in train_sources(d) + eval_sources(d) if ds.format == "chat"]
+    every = train_sources(d) + eval_sources(d) + test_sources(d)
+    chat_sources = [key for key, ds in every if ds.format == "chat"]
     if chat_sources and template is None:
         # the embedded tiny tokenizer has no chat template
         if cfg.model.path is None or not has_chat_template(hub.model_dir("model.path", cfg.model.path)):
@@ -41,14 +42,14 @@ def preflight_data(cfg: RunConfig) -> None:
                 f"{chat_sources[0]}.format=chat needs a chat template and the tokenizer of {name} has none; "
                 "set data.chat_template=<a template or a .jinja file> or use format instruction"
             )
-    for key, ds in train_sources(d) + eval_sources(d):
+    for key, ds in every:
         rows = read_rows(ds.path, split=ds.split, key=f"{key}.path", limit=PEEK)
         spec = FormatSpec.of(ds, key)
         for i, row in enumerate(rows):
             check_row(row, spec, where=f"{key}: {ds.path} row {i + 1}")
-        held_from = key.startswith("data.datasets") and not d.eval_datasets
-        if held_from and len(rows) < PEEK and not hold_out(len(rows), d.eval_fraction, d.split_seed)[0]:
+        if key.startswith("data.datasets") and len(rows) < PEEK and not split_indices(len(rows), d)[0]:
             raise ConfigError(
                 f"{key}.path: {ds.path} holds {len(rows)} row(s), too few to hold out data.eval_fraction="
-                f"{d.eval_fraction} for evaluation; add rows or set data.eval_datasets=[...]"
+                f"{d.eval_fraction} for evaluation (and data.test_fraction={d.test_fraction} for the test split); "
+                "add rows or set data.eval_datasets=[...]"
             )

@@ -1,7 +1,8 @@
 """The data of a run: sources → held-out split → samples → mix → rows, tokenized once and cached on disk.
 
 1. **Read** every source (:mod:`kdsweep.data.sources`); no ``data.datasets`` means the embedded corpus.
-2. **Hold out**: the ``data.eval_datasets``, or a seeded ``eval_fraction`` of each training source's rows.
+2. **Hold out**: the ``data.eval_datasets``, or a seeded ``eval_fraction`` of each training source's rows; and the
+   test split, if any: the ``data.test_datasets``, or a seeded ``test_fraction`` of what the eval split left.
 3. **Render** each row into a sample, prompts masked (:mod:`kdsweep.data.formats`).
 4. **Mix** the training samples: all of them in source order (``concat``), or ``weighted`` by the sources'
    weights (:mod:`kdsweep.data.mixing`).
@@ -25,11 +26,11 @@ from typing import Any, Protocol
 from kdsweep.config.schema import ConfigError, DataConfig, DatasetConfig
 from kdsweep.data.cache import built_once
 from kdsweep.data.formats import FormatSpec, Sample, chat_template, render
-from kdsweep.data.mixing import hold_out, weighted_mix
+from kdsweep.data.mixing import split_indices, weighted_mix
 from kdsweep.data.packing import apply_length_policy, pack, windows
 from kdsweep.data.rows import Rows
 from kdsweep.data.key import cache_root, data_key
-from kdsweep.data.sources import eval_sources, read_rows, train_sources
+from kdsweep.data.sources import eval_sources, read_rows, test_sources, train_sources
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,8 @@ TARGETS = {"text": "every token", "instruction": "the output column", "chat": "m
 class RunData:
     train: Rows
     eval: Rows
+    test: Rows | None
+    """The test split (``data.test_fraction`` or ``data.test_datasets``; None: the data has none)."""
     stats: dict[str, Any]
     """Per split: samples, rows, tokens, targets, truncated, dropped, padding_fraction; per source: rows read,
     held out, samples in the mix."""
@@ -69,19 +72,20 @@ def load_data(cfg: DataConfig, tokenizer: Any, tokenizer_dir: Path, ignore_index
     view = None if chat_view is None else chat_view.identity
     with built_once(root, data_key(cfg, tokenizer_dir, ignore_index, view)) as (final, tmp):
         if tmp is not None:
-            train, held, stats = build(cfg, tokenizer, ignore_index, chat_view)
-            train.save(tmp / "train.pt")
-            held.save(tmp / "eval.pt")
+            splits, stats = build(cfg, tokenizer, ignore_index, chat_view)
+            for name, rows in splits.items():
+                rows.save(tmp / f"{name}.pt")
             (tmp / "stats.json").write_text(json.dumps(stats, indent=1))
+    test = final / "test.pt"
     data = RunData(Rows.load(final / "train.pt"), Rows.load(final / "eval.pt"),
-                   json.loads((final / "stats.json").read_text()), final, reused=tmp is None,
-                   seconds=time.perf_counter() - t0)
+                   Rows.load(test) if test.is_file() else None, json.loads((final / "stats.json").read_text()), final,
+                   reused=tmp is None, seconds=time.perf_counter() - t0)
     if data.reused:
         log.info("data: reused the tokenization cache %s (nothing tokenized; loaded in %.3f s)", final, data.seconds)
     else:
         log.info("data: tokenized and cached in %s in %.2f s", final, data.seconds)
-    for split in ("train", "eval"):
-        log.info("data %s: %s", split, describe(data.stats[split], cfg))
+    for split, stats in data.stats.items():
+        log.info("data %s: %s", split, describe(stats, cfg))
     return data
 
 
@@ -95,8 +99,8 @@ def describe(s: dict[str, Any], cfg: DataConfig) -> str:
 
 
 def build(cfg: DataConfig, tokenizer: Any, ignore_index: int,
-          chat_view: ChatView | None = None) -> tuple[Rows, Rows, dict[str, Any]]:
-    """Train rows, eval rows and their stats (no cache)."""
+          chat_view: ChatView | None = None) -> tuple[dict[str, Rows], dict[str, Any]]:
+    """The rows of each split (train, eval, and test when the data has one) and their stats (no cache)."""
     template = chat_template(cfg.chat_template)
 
     def samples_of(key: str, ds: DatasetConfig, rows: list[dict[str, Any]], picks: list[int]) -> list[Sample]:
@@ -107,33 +111,37 @@ def build(cfg: DataConfig, tokenizer: Any, ignore_index: int,
     def info(key: str, ds: DatasetConfig, rows_read: int, **more: Any) -> dict[str, Any]:
         return {"key": key, "path": ds.path, "format": ds.format, "rows_read": rows_read, **more}
 
-    train_parts, eval_parts = [], []
-    train_info, eval_info = [], []
+    train_parts, train_info = [], []
+    held_parts: dict[str, list[list[Sample]]] = {"eval": [], "test": []}
+    held_info: dict[str, list[dict[str, Any]]] = {"eval": [], "test": []}
     for key, ds in train_sources(cfg):
         if cfg.mix == "weighted" and ds.weight == 0:  # left out: neither trained on nor held out
             train_parts.append([])
             train_info.append(info(key, ds, 0, held_out=0, weight=0.0))
             continue
         rows = read_rows(ds.path, split=ds.split, key=f"{key}.path")
-        kept, held = (list(range(len(rows))), []) if cfg.eval_datasets else \
-            hold_out(len(rows), cfg.eval_fraction, cfg.split_seed)
+        kept, held, test = split_indices(len(rows), cfg)
         if not kept:
             raise ConfigError(f"{key}.path: {ds.path} holds {len(rows)} row(s), too few to hold out "
-                              f"data.eval_fraction={cfg.eval_fraction}; add rows or set data.eval_datasets")
+                              f"data.eval_fraction={cfg.eval_fraction} and data.test_fraction={cfg.test_fraction}; "
+                              "add rows or set data.eval_datasets")
         train_parts.append(samples_of(key, ds, rows, kept))
         if not any(label != ignore_index for sample in train_parts[-1] for label in sample.labels):
             raise ConfigError(
                 f"{key}.path: {ds.path}: no row has a token to train on (format {ds.format} trains on "
                 f"{TARGETS[ds.format]}); fix the data or its columns, or set data.train_on_prompt=true"
             )
-        train_info.append(info(key, ds, len(rows), held_out=len(held), weight=ds.weight))
-        if held:
-            eval_parts.append(samples_of(key, ds, rows, held))
-            eval_info.append(info(key, ds, len(held)))
-    for key, ds in eval_sources(cfg):
-        rows = read_rows(ds.path, split=ds.split, key=f"{key}.path")
-        eval_parts.append(samples_of(key, ds, rows, list(range(len(rows)))))
-        eval_info.append(info(key, ds, len(rows)))
+        train_info.append(info(key, ds, len(rows), held_out=len(held), weight=ds.weight,
+                               **({"test": len(test)} if test else {})))
+        for split, picks in (("eval", held), ("test", test)):
+            if picks:
+                held_parts[split].append(samples_of(key, ds, rows, picks))
+                held_info[split].append(info(key, ds, len(picks)))
+    for split, sources in (("eval", eval_sources(cfg)), ("test", test_sources(cfg))):
+        for key, ds in sources:
+            rows = read_rows(ds.path, split=ds.split, key=f"{key}.path")
+            held_parts[split].append(samples_of(key, ds, rows, list(range(len(rows)))))
+            held_info[split].append(info(key, ds, len(rows)))
 
     if cfg.mix == "weighted":
         sizes = [len(p) for p in train_parts]
@@ -150,17 +158,21 @@ def build(cfg: DataConfig, tokenizer: Any, ignore_index: int,
         drawn = [len(p) for p in train_parts]
     for info, n in zip(train_info, drawn):
         info.update(samples=n, share=n / max(1, len(train_samples)))
-    eval_samples = [s for part in eval_parts for s in part]
-    for info, part in zip(eval_info, eval_parts):
-        info.update(samples=len(part), share=len(part) / max(1, len(eval_samples)))
-
-    train, train_stats = make_rows(train_samples, cfg, pad_id(tokenizer), ignore_index)
-    held, eval_stats = make_rows(eval_samples, cfg, pad_id(tokenizer), ignore_index)
-    for split, rows, stats in (("training", train, train_stats), ("eval", held, eval_stats)):
+    splits, stats = {}, {}
+    splits["train"], stats["train"] = make_rows(train_samples, cfg, pad_id(tokenizer), ignore_index)
+    stats["train"]["sources"] = train_info
+    for split in ("eval", "test") if held_parts["test"] else ("eval",):
+        samples = [s for part in held_parts[split] for s in part]
+        for info, part in zip(held_info[split], held_parts[split]):
+            info.update(samples=len(part), share=len(part) / max(1, len(samples)))
+        splits[split], stats[split] = make_rows(samples, cfg, pad_id(tokenizer), ignore_index)
+        stats[split]["sources"] = held_info[split]
+    for split, rows in splits.items():
         if len(rows) == 0:
-            raise ConfigError(f"data: the {split} split makes no rows of data.seq_len={cfg.seq_len} tokens; "
-                              + no_rows_fix(cfg, stats, train_stats["tokens"], eval_stats["tokens"]))
-    return train, held, {"train": {**train_stats, "sources": train_info}, "eval": {**eval_stats, "sources": eval_info}}
+            raise ConfigError(f"data: the {'training' if split == 'train' else split} split makes no rows of "
+                              f"data.seq_len={cfg.seq_len} tokens; "
+                              + no_rows_fix(cfg, stats[split], stats["train"]["tokens"], stats["eval"]["tokens"]))
+    return splits, stats
 
 
 def pad_id(tokenizer: Any) -> int:

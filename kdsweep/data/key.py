@@ -15,7 +15,7 @@ from pathlib import Path
 from kdsweep.config.schema import DataConfig
 from kdsweep.data.cache import kdsweep_cache
 from kdsweep.data.formats import chat_template
-from kdsweep.data.sources import content_hash, eval_sources, train_sources
+from kdsweep.data.sources import content_hash, eval_sources, test_sources, train_sources
 from kdsweep.hub import hub_id
 
 DATA_VERSION = 1
@@ -30,10 +30,11 @@ def cache_key(cfg: DataConfig, tokenizer_dir: Path, ignore_index: int, memo_dir:
     """Hash of everything that determines the rows (see the module docstring); ``view``: the identity of a second
     model's reading kept with them (kdsweep.data.views), if any."""
     settings = {k: v for k, v in asdict(cfg).items() if k not in BATCHING}
-    for section in ("datasets", "eval_datasets"):  # a source counts by its content and kind, wherever it lies
+    # a source counts by its content and kind, wherever it lies
+    for section in ("datasets", "eval_datasets", "test_datasets"):
         settings[section] = [{**ds, "path": "hub" if hub_id(ds["path"]) else Path(ds["path"]).suffix.lower() or "folder"}
                              for ds in settings[section]]
-    files = [content_hash(ds.path, memo_dir) for _, ds in train_sources(cfg) + eval_sources(cfg)]
+    files = [content_hash(ds.path, memo_dir) for _, ds in train_sources(cfg) + eval_sources(cfg) + test_sources(cfg)]
     parts = [DATA_VERSION, settings, files, tokenizer_digest(tokenizer_dir), chat_template(cfg.chat_template), ignore_index]
     parts += [view] if view is not None else []  # rows without views keep their key
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]

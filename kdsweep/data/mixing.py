@@ -9,6 +9,8 @@ from __future__ import annotations
 import random
 from typing import Sequence
 
+from kdsweep.config.schema import DataConfig
+
 
 def hold_out(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
     """(train, held-out) indices of ``n`` rows: a seeded ``fraction`` of them (at least one) held out, both in
@@ -17,6 +19,17 @@ def hold_out(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
     random.Random(seed).shuffle(order)
     held = set(order[: max(1, round(n * fraction))])
     return [i for i in range(n) if i not in held], [i for i in range(n) if i in held]
+
+
+def split_indices(n: int, cfg: DataConfig) -> tuple[list[int], list[int], list[int]]:
+    """(train, eval, test) indices of a training source's ``n`` rows, each in their original order: the eval rows
+    held out first (none with ``data.eval_datasets``), then the test rows from the rest (none with
+    ``data.test_datasets`` or ``test_fraction`` 0), so a test split leaves the eval rows as they were."""
+    kept, held = (list(range(n)), []) if cfg.eval_datasets else hold_out(n, cfg.eval_fraction, cfg.split_seed)
+    if cfg.test_datasets or not cfg.test_fraction or not kept:
+        return kept, held, []
+    rest, test = hold_out(len(kept), cfg.test_fraction, cfg.split_seed + 1)
+    return [kept[i] for i in rest], held, [kept[i] for i in test]
 
 
 def mix_counts(weights: Sequence[float], total: int) -> list[int]:

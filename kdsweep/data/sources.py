@@ -310,3 +310,8 @@ def train_sources(cfg: DataConfig) -> list[tuple[str, DatasetConfig]]:
 def eval_sources(cfg: DataConfig) -> list[tuple[str, DatasetConfig]]:
     """(config key, source) of each explicit held-out source."""
     return [(f"data.eval_datasets[{i}]", ds) for i, ds in enumerate(cfg.eval_datasets)]
+
+
+def test_sources(cfg: DataConfig) -> list[tuple[str, DatasetConfig]]:
+    """(config key, source) of each explicit test source."""
+    return [(f"data.test_datasets[{i}]", ds) for i, ds in enumerate(cfg.test_datasets)]

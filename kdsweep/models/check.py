@@ -126,6 +126,9 @@ def check_cross_tokenizer(cfg: RunConfig, several: bool = False) -> None:
     if cfg.rollout.lmbda > 0 or cfg.rollout.seq_kd:
         raise ConfigError("rollout.lmbda and rollout.seq_kd: generation with a teacher of another tokenizer is not "
                           f"supported yet; use lmbda=0 rollout.seq_kd=false, {fix}")
+    if cfg.train.eval_test:
+        raise ConfigError("train.eval_test: a teacher of another tokenizer cannot score the test split yet; pass "
+                          f"train.eval_test=false, {fix}")
     sources = [*train_sources(cfg.data), *eval_sources(cfg.data)]
     chats = [key for key, ds in sources if ds.format == "chat"]  # one teacher reads each in its own template
     if chats and several:

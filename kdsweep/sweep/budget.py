@@ -14,6 +14,12 @@ pays its start-up, which no later one does). Before any trial has finished: ``tr
 trials' own pace projected to their last step (their device-seconds so far over the share of steps done); a trial
 that has not logged a step yet tells nothing, and no other trial starts until one has.
 
+A confirmation seed's trial trains with the live teacher (``confirm.UNBIASED``). After a search that read the teacher
+cache it is priced apart (:meth:`Budget.seed_trial`): by the confirmation seeds that have finished, else by their own
+pace while they run, else by the cached trials plus the teacher's work the cache build measured (its load, and its
+device-seconds per token for every token a cached trial read), else by ``trial_hours``; with none of these, one seed
+trial runs alone as the probe until its pace tells.
+
 The controller asks for a search trial while what is spent, plus what the running trials may still spend, plus the
 confirmation's reserve (:meth:`Budget.allows`) leaves part of the budget; a confirmation trial while what is spent
 and what the running confirmation trials will still spend (a mean trial each, as reserved) leaves part of it
@@ -127,6 +133,22 @@ def _progress(entry: dict[str, Any]) -> tuple[int, int] | None:
     return None
 
 
+def is_seed(entry: dict[str, Any]) -> bool:
+    """Whether a trial is a confirmation seed's (the live teacher, run to its end)."""
+    return (entry.get("confirm") or {}).get("seed") is not None
+
+
+def teacher_work(records: list[dict[str, Any]]) -> float | None:
+    """What the live teacher adds to a cached trial, in device-seconds per cached token read, from the cache build
+    some record made (its device-seconds less its teacher's load, over the teacher tokens it computed); None when no
+    record built it."""
+    for r in records:
+        b = (r.get("teacher_targets") or {}).get("build") or {}
+        if b.get("teacher_tokens"):
+            return max(b["device_seconds"] - b.get("teacher_load_s", 0.0) * b["ranks"], 0.0) / b["teacher_tokens"]
+    return None
+
+
 def _cold_only(entries: list[dict[str, Any]]) -> bool:
     """Warm workers whose finished trials were all their first (cold): no trial has shown what a warm one costs."""
     starts = [_worker(r).get("start") for r in map(_record, entries)]
@@ -137,8 +159,9 @@ class Budget:
     """What a sweep may spend and has spent; ``device_s`` / ``wall_s`` None: no limit of that kind."""
 
     def __init__(self, manifest: Manifest, device_hours: float | None, wall_hours: float | None,
-                 trial_hours: float | None = None) -> None:
+                 trial_hours: float | None = None, cached: bool = False) -> None:
         self.manifest = manifest
+        self.apart = cached  # the search reads the teacher cache: a confirmation seed (live) is priced apart
         self.estimate = None if trial_hours is None else trial_hours * 3600.0  # a trial's device-s, until one ends
         self.device_s = None if device_hours is None else device_hours * 3600.0
         self.wall_s = None if wall_hours is None else wall_hours * 3600.0
@@ -185,8 +208,13 @@ class Budget:
             return None, None
         return statistics.median(d for d, _ in costs), statistics.median(w for _, w in costs)
 
-    def _full_costs(self) -> list[float]:
-        finished = [_record(e) for e in self.manifest.trials.values() if e.get("state") in ("COMPLETE", "PRUNED")]
+    def _searched(self) -> list[dict[str, Any]]:
+        """The trials priced alike: every trial, or (priced apart) all but the confirmation seeds'."""
+        return [e for e in self.manifest.trials.values() if not (self.apart and is_seed(e))]
+
+    def _full_costs(self, entries: list[dict[str, Any]] | None = None) -> list[float]:
+        entries = self._searched() if entries is None else entries
+        finished = [_record(e) for e in entries if e.get("state") in ("COMPLETE", "PRUNED")]
         return [c for c in map(full_cost, _warm_filter(finished)) if c is not None]
 
     def _idle_share(self) -> float:
@@ -214,11 +242,36 @@ class Budget:
         budget): the largest of :meth:`_trial_costs`."""
         return self._trial_costs()[0]
 
-    def _projected(self) -> float | None:
+    def seed_trial(self) -> float | None:
+        """What a confirmation seed's trial costs (:meth:`reserved_trial` unless priced apart): the finished seeds'
+        mean full cost, else the running seeds' projected pace, else the completed cached trials' mean plus the live
+        teacher's load and work on the tokens they read (:func:`teacher_work`), else ``trial_hours``; None: unknown
+        (one seed runs alone as the probe)."""
+        if not self.apart:
+            return self.reserved_trial()
+        seeds = [e for e in self.manifest.trials.values() if is_seed(e)]
+        measured = self._full_costs(seeds)
+        if measured:
+            return statistics.fmean(measured) + self._idle_share()
+        running = self._projected(seeds)
+        if running is not None:
+            return running
+        cached = [r for r in map(_record, self._searched()) if r.get("status") == "completed"]
+        rate = teacher_work(list(map(_record, self.manifest.trials.values())))
+        if rate is not None and cached:
+            load = max(((r.get("teacher_targets") or {}).get("build") or {}).get("teacher_load_s", 0.0)
+                       for r in map(_record, self.manifest.trials.values()))
+            live = [full_cost(r) + int(r.get("world_size") or 1) * (load + rate * float(
+                    (r.get("cost") or {}).get("teacher_tokens_read") or 0.0)) for r in cached if full_cost(r)]
+            if live:
+                return statistics.fmean(live) + self._idle_share()
+        return self.estimate
+
+    def _projected(self, entries: list[dict[str, Any]] | None = None) -> float | None:
         """The running trials' own pace projected to their last step: their device-seconds so far over the share
         of their steps done (start-up included, so an upper bound); the largest, or None before any logged a step."""
         now, seen = time.time(), []
-        for entry in self.manifest.trials.values():
+        for entry in self._searched() if entries is None else entries:
             done = _progress(entry) if entry.get("state") == "RUNNING" and entry.get("started") else None
             if done is not None:
                 seen.append(self.trial_spent(entry, now) * done[1] / done[0])
@@ -232,10 +285,11 @@ class Budget:
         running = [e for e in self.manifest.trials.values() if e.get("state") not in FINAL]
         return self.device_spent(now) + sum(max(each - self.trial_spent(e, now), 0.0) for e in running)
 
-    def allows(self, reserve: int = 0, at_once: int = 1) -> bool:
+    def allows(self, reserve: int = 0, at_once: int = 1, seeds: int = 0) -> bool:
         """Whether another search trial may start: spent + what the running trials may still spend + ``reserve``
-        trials run to their end (the confirmation's share) leaves part of the device budget, and a trial started
-        now, and the reserved ones after it (``at_once`` at a time), would end before the wall-clock limit."""
+        trials run to their end (the confirmation's share, ``seeds`` of them confirmation seeds', priced as
+        :meth:`seed_trial` says) leaves part of the device budget, and a trial started now, and the reserved ones
+        after it (``at_once`` at a time), would end before the wall-clock limit."""
         if not self.limited:
             return True
         _, wall = self.per_trial()
@@ -249,21 +303,30 @@ class Budget:
         full, mean = self._trial_costs()
         if full is None:  # nothing is known of a trial's cost: one runs until its pace tells
             return not running and self.device_spent() < self.device_s
-        if self._spent_and_committed(full) + reserve * mean < self.device_s:  # a running trial may be promoted
-            return True
+        seed = (self.seed_trial() or mean) if seeds else mean  # unknown: priced as a search trial until the probe
+        if self._spent_and_committed(full) + (reserve - seeds) * mean + seeds * seed < self.device_s:
+            return True  # (a running trial may be promoted: each counts a full trial)
         # the estimate is only cold trials' (a worker's first pays what no later one does): one more trial, warm,
         # tells the next ones' cost; it may run past the budget by its own cost, as the last trial may
         finished = [e for e in self.manifest.trials.values() if e.get("state") in FINAL]
         return not running and _cold_only(finished) and self.device_spent() < self.device_s
 
-    def allows_reserved(self) -> bool:
-        """Whether a confirmation trial may start: what is spent and what the running ones will still spend leave part
-        of the device budget (the last one started may pass it by its own cost: one full trial). Running confirmation
-        trials all run to their end, so each counts a trial's mean cost, the price the search reserved them at (the
-        largest would cut the last of them whenever the search left exactly their reserve)."""
+    def allows_reserved(self, seed: bool = False) -> bool:
+        """Whether a confirmation trial (``seed``: a confirmation seed's) may start: what is spent and what the running
+        ones will still spend leave part of the device budget (the last one started may pass it by its own cost: one
+        full trial). Running confirmation trials all run to their end, so each counts a trial's mean cost, the price
+        the search reserved them at (the largest would cut the last of them whenever the search left exactly their
+        reserve); a seed's as :meth:`seed_trial` prices it. A seed whose price nobody knows yet runs alone (the
+        probe)."""
         if self.device_s is None:
             return True
-        return self._spent_and_committed(self.reserved_trial() or 0.0) < self.device_s
+        now, price = time.time(), self.seed_trial()
+        running = [e for e in self.manifest.trials.values() if e.get("state") not in FINAL]
+        if seed and price is None:
+            return not any(map(is_seed, running)) and self.device_spent(now) < self.device_s
+        each = lambda e: (price or 0.0) if is_seed(e) else (self.reserved_trial() or 0.0)
+        committed = sum(max(each(e) - self.trial_spent(e, now), 0.0) for e in running)
+        return self.device_spent(now) + committed < self.device_s
 
     def record(self) -> dict[str, Any]:
         """``sweep.json``'s ``budget``: the limits, what was spent, what is left."""

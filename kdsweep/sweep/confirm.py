@@ -1,6 +1,11 @@
 """Confirmation (``hydra.sweeper.confirm: {top: k, seeds: s, baseline_trials: b}``): after the search, its k best
 points and the CE-only baseline are trained again with s fresh seeds, as trials marked ``confirm`` (pruning off; warm
-workers and the teacher cache apply as to any trial), and the sweep's answer is the verdict on them.
+workers apply as to any trial), and the sweep's answer is the verdict on them.
+
+- **Unbiased and independent** (:data:`UNBIASED`): each seed's trial trains with the live teacher whatever the
+  search read (a ``sample`` or ``topk`` cache's bias, and its draws, stay with the search), changes every random
+  source it has (``train.seed``: order, init, dropout; ``rollout.seed``: generation), and is scored on the data's
+  test split, which no search trial reads (``data.test_fraction``); the search's eval-split values are kept beside.
 
 - **The reported point is fixed before its confirmation**: the search's best (``top1``); the confirmation measures
   it, it does not re-pick it by the means it then tests it with.
@@ -39,6 +44,8 @@ LR_KEYS = ("lr", "optim.lr")
 CE_ONLY = {"loss.kd_ratio": 0.0, "rollout.lmbda": 0.0, "rollout.seq_kd": False}
 """What makes the baseline CE-only whatever the search or its base overrides set: every override of the sections'
 own keys, after theirs on the command line (so they win over a top-level knob's interpolation and a user's own)."""
+UNBIASED = ("teacher.logits=live", "train.eval_test=true")
+"""What a confirmation seed's trial adds to its point: the live teacher, and its score on the test split."""
 BASELINE = "ce_only"
 BASELINE_SEARCH = "ce_lr"
 """Labels ``ce_lr1`` … of the CE-only learning-rate trials (run at the search's own seeds, before the seeds)."""
@@ -92,10 +99,14 @@ class ConfirmSettings:
         return self.baseline_trials if self.lr_searched else 0
 
     @property
+    def seed_trials(self) -> int:
+        """How many confirmation seeds' trials: every seed of the top points and of the CE-only baseline."""
+        return (self.top + 1) * self.seeds
+
+    @property
     def trials(self) -> int:
-        """How many confirmation trials: the CE-only learning-rate trials, and every seed of the top points and of
-        the CE-only baseline."""
-        return self.baseline_search + (self.top + 1) * self.seeds
+        """How many confirmation trials: the CE-only learning-rate trials and the seeds' trials."""
+        return self.baseline_search + self.seed_trials
 
 
 def _signed(value: float, direction: str) -> float:
@@ -309,14 +320,18 @@ def verdict(confirmation: dict[str, Any], trials: list[dict[str, Any]], objectiv
     index = objectives.index(confirmation["objective"])
     direction = confirmation["direction"]
     by_label: dict[str, dict[int, float]] = {p["label"]: {} for p in confirmation["points"]}
-    for t in trials:
-        label = (t.get("confirm") or {}).get("label")
-        if label in by_label and t["state"] == "COMPLETE":
-            by_label[label][t["confirm"]["seed"]] = t["values"][index]
+    on_eval: dict[str, dict[int, float]] = {p["label"]: {} for p in confirmation["points"]}
+    done = [t for t in trials if (t.get("confirm") or {}).get("label") in by_label and t["state"] == "COMPLETE"]
+    split = "test" if all(t.get("test") for t in done) else "eval"  # eval: a sweep planned before the test split
+    for t in done:
+        label, seed = t["confirm"]["label"], t["confirm"]["seed"]
+        by_label[label][seed] = t[split if split == "test" else "values"][index]
+        on_eval[label][seed] = t["values"][index]
     rows = []
     for p in confirmation["points"]:
         mean, half = _interval(list(by_label[p["label"]].values()))
-        rows.append({**p, "seeds": sorted(by_label[p["label"]]), "mean": mean, "ci95": half})
+        rows.append({**p, "seeds": sorted(by_label[p["label"]]), "mean": mean, "ci95": half, "split": split,
+                     "eval_mean": _interval(list(on_eval[p["label"]].values()))[0]})
     tops = [r for r in rows if r["label"] != BASELINE]
     short = _shortfall(confirmation, trials, tops)
     if not tops or not tops[0]["seeds"]:
@@ -326,12 +341,12 @@ def verdict(confirmation: dict[str, Any], trials: list[dict[str, Any]], objectiv
         r["vs_ce_only"] = _paired(by_label[r["label"]], by_label.get(BASELINE, {}))  # other top point against top1
         r["vs_best"] = _paired(by_label[r["label"]], by_label[best["label"]])
     holm([best["vs_ce_only"], *(r["vs_best"] for r in tops[1:])])
-    line = (f"{_point_text(best['params'])}: {best['mean']:.4f} ± {best['ci95']:.4f} over {len(best['seeds'])} seeds; "
-            + _judged(best["vs_ce_only"], "CE-only", direction))
+    line = (f"{_point_text(best['params'])}: {best['mean']:.4f} ± {best['ci95']:.4f} on the {split} split over "
+            f"{len(best['seeds'])} seeds; " + _judged(best["vs_ce_only"], "CE-only", direction))
     for r in tops[1:]:
         line += f"; {r['label']}: " + _judged(r["vs_best"], "top1", direction)
     return {"points": rows, "best": best["label"], "line": f"{line}; {baseline_text(confirmation)}{short}"}
 
 
-__all__ = ["BASELINE", "BASELINE_SEARCH", "CE_ONLY", "ConfirmSettings", "SEED_BASE", "detectable", "holm",
+__all__ = ["BASELINE", "BASELINE_SEARCH", "CE_ONLY", "ConfirmSettings", "SEED_BASE", "UNBIASED", "detectable", "holm",
            "next_item", "plan", "point_params", "seeds_to_resolve", "settle_baseline", "verdict"]

@@ -68,7 +68,9 @@ class Controller:
             pruner=make_pruner(settings), directions=list(settings.directions),
         )
         self.distributions = {p.key: p.distribution() for p in space}
-        self.budget, self._wall_saved = Budget(self.manifest, settings.budget, settings.wall_hours, settings.trial_hours), 0.0
+        # a search on the teacher cache: its confirmation seeds (the live teacher) are priced apart
+        self.budget = Budget(self.manifest, settings.budget, settings.wall_hours, settings.trial_hours, teacher_cache)
+        self._wall_saved = 0.0
         self.confirm = settings.confirmation
         self.start_failures = 0
         # teacher.logits=cache: one trial builds the cache (or finds it) before the others start (see _slots)
@@ -85,9 +87,9 @@ class Controller:
     def _search_may_ask(self) -> bool:
         if "confirmation" in self.manifest.data:
             return False
-        reserve = self.confirm.trials if self.confirm else 0
+        reserve, seeds = (self.confirm.trials, self.confirm.seed_trials) if self.confirm else (0, 0)
         return (len(self._search_trials()) < self.settings.trial_limit
-                and self.budget.allows(reserve, self.settings.max_concurrent))
+                and self.budget.allows(reserve, self.settings.max_concurrent, seeds))
 
     def _confirmation_item(self) -> dict[str, Any] | None:
         """The next confirmation trial to ask: the plan is made once no search trial runs (and none may start)."""
@@ -101,7 +103,9 @@ class Controller:
                 self.distributions, self.settings.seed)
             if self.budget.device_s is not None:  # what the search left, and what each confirmation trial should cost
                 self.manifest.data["confirmation"]["search_ended"] = {
-                    "device_seconds_spent": self.budget.device_spent(), "trial_device_seconds": self.budget.reserved_trial()}
+                    "device_seconds_spent": self.budget.device_spent(),
+                    "trial_device_seconds": self.budget.reserved_trial(),
+                    "seed_device_seconds": self.budget.seed_trial(), "priced_apart": self.budget.apart}
             self.manifest.save()
             points = self.manifest.data["confirmation"]["points"]
             log.info("confirmation: %d points (%s) × %d seeds", len(points),
@@ -149,10 +153,10 @@ class Controller:
     # -- one trial ---------------------------------------------------------------------------------------
     def _args(self, number: int, params: dict[str, Any], item: dict[str, Any] | None = None) -> list[str]:
         run_dir = self.sweep_dir / str(number)
-        # a confirmation seed's own training (order, init, dropout) and rollout draws; the CE-only learning-rate
-        # trials (seed None) run at the search's
+        # a confirmation seed: its own training (order, init, dropout) and rollout draws, the live teacher and the
+        # test split (confirm.UNBIASED); the CE-only learning-rate trials (seed None) run as the search's do
         seeded = item and item["seed"] is not None
-        seed = [f"train.seed={item['seed']}", f"rollout.seed={item['seed']}"] if seeded else []
+        seed = [f"train.seed={item['seed']}", f"rollout.seed={item['seed']}", *confirm.UNBIASED] if seeded else []
         return [*self.base, *(f"{k}={v}" for k, v in params.items()), *seed, f"trial.sweep_dir={self.sweep_dir}",
                 f"trial.number={number}", f"trial.study={self.settings.study_name}", f"hydra.run.dir={run_dir}"]
 
@@ -239,11 +243,13 @@ class Controller:
         trial_id = self.study._storage.get_trial_id_from_study_id_trial_number(self.study._study_id, number)
         if outcome.reason:
             self.study._storage.set_trial_user_attr(trial_id, "reason", outcome.reason)
+        if outcome.test:  # a confirmation trial's objectives on the test split (the dashboard shows them)
+            self.study._storage.set_trial_user_attr(trial_id, "test", outcome.test)
         state = {"COMPLETE": TrialState.COMPLETE, "PRUNED": TrialState.PRUNED, "FAIL": TrialState.FAIL}[outcome.state]
         self.study.tell(number, values=outcome.values if outcome.state == "COMPLETE" else None, state=state,
                         skip_if_finished=True)
         self.manifest.put(number, state=outcome.state, values=outcome.values, reason=outcome.reason,
-                          ended=time.time(), exit_code=exit_code)
+                          ended=time.time(), exit_code=exit_code, **({"test": outcome.test} if outcome.test else {}))
         shown = f"{outcome.values}" if outcome.values else outcome.reason
         log.info("trial %d %s %s", number, outcome.state, shown)
 
@@ -315,7 +321,8 @@ class Controller:
             while len(running) < self._slots(running):
                 if self._search_may_ask():
                     self._ask_and_start()
-                elif (item := self._confirmation_item()) is not None and self.budget.allows_reserved():
+                elif ((item := self._confirmation_item()) is not None
+                      and self.budget.allows_reserved(seed=item["seed"] is not None)):
                     self._ask_and_start(item)
                 else:
                     break

@@ -19,6 +19,8 @@ class Outcome:
     state: str  # COMPLETE, PRUNED, FAIL or RETRY
     values: list[float] | None = None
     reason: str = ""
+    test: list[float] | None = None
+    """The objectives on the test split (a confirmation trial's, ``train.eval_test``; None: not evaluated)."""
 
 
 def judge(run_dir: Path, exit_code: int | str, objectives: tuple[str, ...], attempts: int, retries: int,
@@ -31,7 +33,8 @@ def judge(run_dir: Path, exit_code: int | str, objectives: tuple[str, ...], atte
         values = [float((record.get("eval_after") or {}).get(o, float("nan"))) for o in objectives]
         if not all(math.isfinite(v) for v in values):
             return Outcome("FAIL", reason=f"the objective is not finite: {values}")
-        return Outcome("COMPLETE", values=values)
+        test = record.get("test_after")
+        return Outcome("COMPLETE", values=values, test=[float(test[o]) for o in objectives] if test else None)
     if status == "pruned":
         return Outcome("PRUNED")
     if exit_code == "CANCELLED":  # by a user (scancel): not retried

@@ -77,3 +77,5 @@ def warn_idle_knobs(cfg: RunConfig, dist: DistEnv) -> None:
                     "reads chat data in its own template")
     if cfg.data.eval_datasets and changed(cfg.data, DataConfig(), "eval_fraction"):
         log.warning("data.eval_fraction has no effect: data.eval_datasets are the held-out set")
+    if cfg.data.test_datasets and changed(cfg.data, DataConfig(), "test_fraction"):
+        log.warning("data.test_fraction has no effect: data.test_datasets are the test split")

@@ -65,6 +65,8 @@ class RunResult:
     """None when the run stopped for preemption (it has no final evaluation yet)."""
     output_dir: str
     exports: dict[str, str] = field(default_factory=dict)
+    test_after: EvalResult | None = None
+    """The test split's evaluation after training (``train.eval_test`` and completed; else None)."""
 
 
 def comm_record(in_steps: comm.Tally, whole: comm.Tally, steps: int) -> dict[str, Any]:
@@ -126,6 +128,7 @@ def run(
             steps=result.steps,
             eval_before=asdict(result.eval_before),
             eval_after=asdict(result.eval_after) if result.eval_after else None,
+            test_after=asdict(result.test_after) if result.test_after else None,
             exports=result.exports,
             wall_seconds=time.time() - started,
         )
@@ -240,8 +243,15 @@ def _train(
         metrics.log("eval", step, asdict(eval_after))
     if status == "completed":
         reporter.report(step, asdict(eval_after))
+    test_after = None
+    if cfg.train.eval_test and status == "completed":
+        failure.doing("evaluating the test split")
+        test_after = trial.evaluate_test()
+        log.info("test-split CE after %d steps: student %.4f, teacher %.4f, KL %.4f (%d tokens)",
+                 step, test_after.student_ce, test_after.teacher_ce, test_after.kl, test_after.tokens)
     metrics.close({"objective": eval_after.student_ce, "status": status, "steps": step,
-                   **{f"eval/{k}": v for k, v in asdict(eval_after).items()}})
+                   **{f"eval/{k}": v for k, v in asdict(eval_after).items()},
+                   **{f"test/{k}": v for k, v in (asdict(test_after) if test_after else {}).items()}})
     log.info(
         "held-out CE after %d steps: student %.4f (before %.4f), teacher %.4f, KL %.4f",
         step, eval_after.student_ce, eval_before.student_ce, eval_after.teacher_ce, eval_after.kl,
@@ -254,5 +264,5 @@ def _train(
             full, src.tokenizer, out / "final", adapter=cfg.checkpoint.export_adapter, merged=cfg.checkpoint.export_merged))
     return RunResult(
         objective=eval_after.student_ce, status=status, steps=step, eval_before=eval_before,
-        eval_after=eval_after, output_dir=str(out), exports=exports,
+        eval_after=eval_after, output_dir=str(out), exports=exports, test_after=test_after,
     )

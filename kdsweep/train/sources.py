@@ -65,8 +65,8 @@ def open_data(cfg: RunConfig, student_dir: Path, kept: Kept) -> tuple[Any, RunDa
     data = kept.get("data", key, lambda: load_data(cfg.data, tokenizer, student_dir, cfg.loss.ignore_index, view))
     if "data" in kept.reused:
         log.info("data: the rows of %s, kept by this worker from an earlier trial", data.cache_dir)
-        for split in ("train", "eval"):
-            log.info("data %s: %s", split, describe(data.stats[split], cfg.data))
+        for split, stats in data.stats.items():
+            log.info("data %s: %s", split, describe(stats, cfg.data))
     return tokenizer, data
 
 

@@ -43,6 +43,8 @@ class Trial:
     scheduler: Any
     evaluate: Callable[[], EvalResult]
     """The held-out evaluation (a collective: every rank calls it)."""
+    evaluate_test: Callable[[], EvalResult]
+    """The test split's evaluation (``train.eval_test``; a collective, like :attr:`evaluate`)."""
     meter: CostMeter
     start_step: int
     eval_before: EvalResult
@@ -120,10 +122,12 @@ def start_trial(cfg: RunConfig, dist: DistEnv, device: torch.device, src: Source
     log.info("the loss runs in %d chunk(s) per micro-batch (%d per held-out batch): loss.chunk_mb=%g, impl=%s",
              chunks["train"], chunks["eval"], cfg.loss.chunk_mb, cfg.loss.impl)
 
-    def evaluate_now() -> EvalResult:
+    def evaluate_now(batches: list[Batch] = eval_batches) -> EvalResult:
         with compute():
-            return evaluate(student, src.teacher.eval, eval_batches, loss_cfg=cfg.loss, dist=dist,
-                            chunks=chunks["eval"])
+            return evaluate(student, src.teacher.eval, batches, loss_cfg=cfg.loss, dist=dist, chunks=chunks["eval"])
+
+    def evaluate_test() -> EvalResult:  # the data has a test split whenever train.eval_test is set (RunConfig)
+        return evaluate_now(eval_batches_of_rank(src.data.test, cfg.data.eval_batch_size, dist, device))
 
     # the job's own start: its imports and tokenization hold the devices too
     teacher = src.teacher
@@ -152,8 +156,8 @@ def start_trial(cfg: RunConfig, dist: DistEnv, device: torch.device, src: Source
         record.update(models={"student": str(src.student_dir), "teacher": teachers[0] if len(teachers) == 1 else teachers},
                       placement=src.plan.record(), precision=precision_record(cfg, student), timings=src.timings, data=src.stats, resumed_from=str(resume_from) if resume_from else None,
                       start_step=start_step, wandb=wandb_info, loss_chunks=chunks)
-    return Trial(student, rollout, optimizer, scheduler, evaluate_now, meter, start_step, eval_before, metrics, compute,
-                 chunks["train"])
+    return Trial(student, rollout, optimizer, scheduler, evaluate_now, evaluate_test, meter, start_step, eval_before,
+                 metrics, compute, chunks["train"])
 
 
 def precision_record(cfg: RunConfig, student: nn.Module) -> dict[str, Any]:

@@ -1,5 +1,6 @@
-"""kdsweep.analysis and notebooks/sweep_analysis.ipynb on one real sweep (4 trials on 2 warm workers, one pruned,
-then CE-only at a learning rate of its own, the best point and CE-only confirmed with 3 seeds each, W&B offline)."""
+"""kdsweep.analysis and notebooks/sweep_analysis.ipynb on one real sweep (4 trials on 2 warm workers reading a
+``sample`` teacher cache, one pruned, then CE-only at a learning rate of its own, the best point and CE-only confirmed
+with 3 seeds each with the live teacher on the test split, W&B offline)."""
 
 import json
 import os
@@ -36,7 +37,7 @@ def sweep_dir(tmp_path_factory, zoo_dirs):
     (hydra.sweeper.confirm)."""
     root = tmp_path_factory.mktemp("analysis")
     body = {"defaults": [{"override /hydra/sweeper": "kdsweep_optuna"}],
-            "train": {"eval_every": 2, "max_steps": 8},
+            "train": {"eval_every": 2, "max_steps": 8}, "data": {"test_fraction": 0.05},
             "logger": {"progress_bar": False, "wandb": {"enabled": True, "mode": "offline"}},
             "checkpoint": {"save_every": 0, "export_adapter": False, "export_merged": False},
             "hydra": {"sweeper": {
@@ -49,8 +50,8 @@ def sweep_dir(tmp_path_factory, zoo_dirs):
                             {"kd_ratio": 0.5, "lr": 1e-7, "lora_rank": 8}]}}}
     (root / "conf" / "hparams_search").mkdir(parents=True)
     (root / "conf" / "hparams_search" / f"{STUDY}.yaml").write_text("# @package _global_\n" + yaml.safe_dump(body))
-    kdsweep("-m", f"hparams_search={STUDY}", f"hydra.searchpath=[file://{root / 'conf'}]",
-            f"hydra.sweep.dir={root / 'sweep'}", cwd=root)
+    kdsweep("-m", f"hparams_search={STUDY}", f"hydra.searchpath=[file://{root / 'conf'}]", "teacher.logits=cache",
+            f"hydra.sweep.dir={root / 'sweep'}", cwd=root)  # the search reads a sample cache (k 12)
     return root / "sweep"
 
 
@@ -99,11 +100,37 @@ def test_the_confirmation_table_is_the_verdict_s_and_its_numbers_are_the_records
     assert sweep.verdict == verdict["line"] and list(table.index) == ["top1", "ce_only"]
     runs = sweep.trials[sweep.trials["confirm.label"].notna()]
     for label, group in runs[runs["confirm.label"] != "ce_lr1"].groupby("confirm.label"):
-        values = [read_run(Path(d))["eval_after"]["student_ce"] for d in group["run_dir"]]
+        values = [read_run(Path(d))["test_after"]["student_ce"] for d in group["run_dir"]]
+        on_eval = [read_run(Path(d))["eval_after"]["student_ce"] for d in group["run_dir"]]
         assert table.loc[label, "seeds"] == 3 and table.loc[label, "mean"] == pytest.approx(sum(values) / 3)
+        assert table.loc[label, "split"] == "test" and table.loc[label, "eval_mean"] == pytest.approx(sum(on_eval) / 3)
+    assert "on the test split over 3 seeds" in verdict["line"]
     assert table.loc["ce_only", "param.kd_ratio"] == 0.0
     assert table.loc["ce_only", "param.lr"] == sweep.trials.loc[4, "param.lr"]  # its own, from trial 4
     assert table.loc["top1", "vs_ce_only.mean"] == pytest.approx(table.loc["top1", "mean"] - table.loc["ce_only", "mean"])
+
+
+def test_confirmation_trials_train_with_the_live_teacher_on_their_own_seeds_and_ce_only_without_one(sweep_dir):
+    entries = manifest_of(sweep_dir)["trials"]
+    records = {n: read_run(sweep_dir / str(n)) for n in range(TRIALS)}
+    for n, record in records.items():
+        seed = (entries[str(n)].get("confirm") or {}).get("seed")
+        if seed is None:  # the search and the CE-only learning-rate trial: the sample cache, the eval split only
+            assert record["teacher_targets"]["source"] == "cache" and record["teacher_targets"]["method"] == "sample"
+            assert "test_after" not in record or record["test_after"] is None
+            continue
+        config = record["config"]
+        assert record["teacher_targets"]["source"] == "live" and config["teacher"]["logits"] == "live"
+        assert config["train"]["seed"] == config["rollout"]["seed"] == seed and config["train"]["eval_test"]
+        assert record["test_after"]["tokens"] > 0 and record["test_after"] != record["eval_after"]
+        if entries[str(n)]["confirm"]["label"] == "ce_only":
+            assert config["loss"]["kd_ratio"] == 0.0 and config["rollout"]["lmbda"] == 0.0
+            assert config["rollout"]["seq_kd"] is False  # and no teacher in its training steps:
+            assert record["teacher_targets"]["training_steps"] == "without the teacher (kd_ratio=0)"
+            assert config["optim"]["lr"] == entries["4"]["params"]["lr"]  # the CE-only learning-rate trial's
+    data = records[0]["data"]
+    assert data["test"]["samples"] == data["train"]["sources"][0]["test"] > 0
+    assert data["test"]["sources"][0]["path"] == data["eval"]["sources"][0]["path"]
 
 
 def test_history_holds_every_logged_row_in_order(sweep_dir):

@@ -145,9 +145,9 @@ def test_bad_rollout_input_is_one_line_before_anything_runs(case, instructions, 
 
 @pytest.mark.parametrize("launcher", ["local_workers", "slurm"])
 def test_a_sweep_over_lmbda_with_pruning_runs(launcher, instructions, tmp_path, request):
-    """Locally on 2 warm workers (its third trial runs warm, and equals its own process), on SLURM on the default
-    warm workers (one per slot)."""
-    extra = ["hydra.sweeper.workers=2", "train.threads=1"]
+    """Locally on 2 warm workers (its third trial runs warm, and equals its own process), then its best confirmed
+    against a CE-only arm that is CE-only; on SLURM on the default warm workers (one per slot)."""
+    extra = ["hydra.sweeper.workers=2", "train.threads=1", "hydra.sweeper.confirm.top=1"]
     if launcher == "slurm":
         request.getfixturevalue("slurm_cluster")
         extra = ["hydra/launcher=submitit_slurm", "cluster=local_cpu"]
@@ -156,22 +156,31 @@ def test_a_sweep_over_lmbda_with_pruning_runs(launcher, instructions, tmp_path, 
             "hydra.sweeper.n_trials=3", "hydra.sweeper.pruner_warmup_steps=2", "hydra.sweeper.poll_s=0.2",
             "rollout.seq_kd=true", *extra, f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path, timeout=900)
     manifest = json.loads((sweep_dir / "sweep.json").read_text())
-    states = {n: t["state"] for n, t in manifest["trials"].items()}
+    states = {n: t["state"] for n, t in manifest["trials"].items() if not t.get("confirm")}
     assert len(states) == 3 and set(states.values()) <= {"COMPLETE", "PRUNED"}, states
     lmbdas = {read_run(sweep_dir / n)["config"]["rollout"]["lmbda"] for n in states}
     assert len(lmbdas) == 3 and all(0 <= x <= 1 for x in lmbdas)
-    generated = 0
     for n in states:  # each trial drew its own share of on-policy steps; the teacher completed the others
         kinds = {r["rollout"] for r in train_lines(sweep_dir / n)}
         assert kinds <= {"student", "teacher"} and kinds
-        generated += sum(r["generated_tokens"] for r in train_lines(sweep_dir / n) if r["rollout"] == "teacher")
+    generated = sum(r["generated_tokens"] for n in manifest["trials"] for r in train_lines(sweep_dir / n)
+                    if r.get("rollout") == "teacher")
     cost = re.search(r"teacher: (\d+) tokens computed \((\d+) generated, ", kdsweep("status", str(sweep_dir), cwd=tmp_path).stdout)
     assert generated > 0 and cost and int(cost[2]) == generated and int(cost[1]) > generated
-    if launcher == "local_workers":  # on-policy steps in a warm worker: the same completions and numbers
-        from test_workers import alone, assert_identical
+    if launcher == "slurm":
+        return
+    from test_workers import alone, assert_identical  # on-policy steps in a warm worker: the same completions, numbers
 
-        assert read_run(sweep_dir / "2")["environment"]["worker"]["start"] == "warm"
-        assert_identical(sweep_dir / "2", alone(tmp_path, sweep_dir, 2))
+    assert read_run(sweep_dir / "2")["environment"]["worker"]["start"] == "warm"
+    assert_identical(sweep_dir / "2", alone(tmp_path, sweep_dir, 2))
+    ce_only = [n for n, t in manifest["trials"].items() if (t.get("confirm") or {}).get("label") == "ce_only"]
+    assert len(ce_only) == 3 and "CE-only" in manifest["verdict"]["line"]
+    for n in ce_only:  # on gold labels alone: no KD term, no generation, no sequence-level KD, no teacher in training
+        record = read_run(sweep_dir / n)
+        config = record["config"]
+        assert config["loss"]["kd_ratio"] == 0 and config["rollout"]["lmbda"] == 0 and not config["rollout"]["seq_kd"]
+        assert record["teacher_targets"]["training_steps"] == "without the teacher (kd_ratio=0)"
+        assert not any(r.get("rollout") for r in train_lines(sweep_dir / n)) and record["test_after"]["tokens"] > 0
 
 
 def test_a_rollout_knob_that_does_nothing_is_a_warning(tmp_path):

@@ -28,7 +28,7 @@ def test_a_budgeted_sweep_confirms_its_top_points_on_slurm_workers_through_a_con
         "n_trials": None, "budget": BUDGET_S / 3600, "max_concurrent": 2, "workers": 2, "sampler": "random",
         "pruner": "none", "poll_s": 0.5, "confirm": {"top": 2, "seeds": 3, "baseline_trials": 0},
         "params": {"kd_ratio": "choice(0.2,0.5,0.8)", "lr": "choice(0.003,0.01)"},
-    }, {"train": {"max_steps": 4, "eval_every": 4}})
+    }, {"train": {"max_steps": 4, "eval_every": 4}, "data": {"test_fraction": 0.05}})
     cmd = [*args, *ONE_THREAD, "hydra/launcher=submitit_slurm", "cluster=local_cpu", "hydra.launcher.tasks_per_node=1",
            f"hydra.sweep.dir={sweep_dir}"]  # 1-rank workers: their first trials' start-up leaves the budget room
     killed = kdsweep(*cmd, cwd=tmp_path, check=False, env_extra={"KDSWEEP_TEST_CRASH_AT": "after_launch:confirm4"})
@@ -57,7 +57,7 @@ def test_a_budgeted_sweep_confirms_its_top_points_on_slurm_workers_through_a_con
     for t in confirmation:
         record = read_run(Path(t["run_dir"]))
         assert record["config"]["train"]["seed"] == t["confirm"]["seed"]
-        values.setdefault(t["confirm"]["label"], {})[t["confirm"]["seed"]] = record["eval_after"]["student_ce"]
+        values.setdefault(t["confirm"]["label"], {})[t["confirm"]["seed"]] = record["test_after"]["student_ce"]
     assert sorted(values) == ["ce_only", "top1", "top2"]
     ce_only = next(p for p in data["confirmation"]["points"] if p["label"] == "ce_only")
     assert ce_only["params"]["kd_ratio"] == 0.0

@@ -175,6 +175,9 @@ BAD = {
                      "hydra.sweeper.confirm.top=2"], "hydra.sweeper.confirm.top=2 is more than the trials the budget allows"),
     "confirm_pareto": (["hydra.sweeper.objectives=[student_ce,kl]", "hydra.sweeper.directions=[minimize,minimize]",
                         "hydra.sweeper.confirm.top=1"], "must name the one it ranks on: hydra.sweeper.confirm.objective="),
+    "confirm_no_test": (["data.test_fraction=0"], "and that job is refused: train.eval_test=true but data has no "
+                        "test split; set data.test_fraction=0.05 (or data.test_datasets); or pass "
+                        "hydra.sweeper.confirm.top=0"),
 }
 
 

@@ -27,13 +27,13 @@ STEPS = 20
 
 def confirmed(tmp_path: Path, name: str, enqueue: list[dict], *overrides: str) -> dict:
     """A sweep of the enqueued points (pruning off), then each point and CE-only on 3 seeds; its manifest, with
-    ``values[label][seed]``: the held-out CE each confirmation trial's run.json recorded."""
+    ``values[label][seed]``: the test-split CE each confirmation trial's run.json recorded."""
     sweep_dir = tmp_path / "sweep"
     args = search(tmp_path, name, {
         "n_trials": len(enqueue), "max_concurrent": 2, "workers": 2, "sampler": "random", "pruner": "none",
         "params": {"kd_ratio": "interval(0.0,1.0)", "lr": "tag(log, interval(1e-3,3e-2))"}, "enqueue": enqueue,
         "confirm": {"top": len(enqueue), "seeds": 3, "baseline_trials": 0},
-    }, {"train": {"max_steps": STEPS, "eval_every": STEPS}})
+    }, {"train": {"max_steps": STEPS, "eval_every": STEPS}, "data": {"test_fraction": 0.05}})
     kdsweep(*args, *overrides, "train.threads=1", *QUIET, f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path)
     data = manifest(sweep_dir)
     data["values"] = {}
@@ -42,7 +42,7 @@ def confirmed(tmp_path: Path, name: str, enqueue: list[dict], *overrides: str) -
             record = read_run(Path(t["run_dir"]))
             assert record["config"]["train"]["seed"] == record["config"]["rollout"]["seed"] == t["confirm"]["seed"]
             data["values"].setdefault(t["confirm"]["label"], {})[t["confirm"]["seed"]] = \
-                record["eval_after"]["student_ce"]
+                record["test_after"]["student_ce"]  # the verdict's split
     return data
 
 

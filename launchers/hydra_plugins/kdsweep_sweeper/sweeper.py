@@ -65,7 +65,7 @@ class KdsweepOptunaSweeper(Sweeper):
             log.warning(line)
         space = parse_space(params)
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
-        first = self._validate_points(base, space, settings.enqueue, sweep_dir)
+        first = self._validate_points(base, space, settings.enqueue, sweep_dir, settings.confirmation is not None)
         settings = settings.with_grace(first.train.max_steps)  # the grace period follows train.max_steps
         backend = self._backend(settings, first, sweep_dir)
         bias = cache_bias_line(first.teacher.cache.method if first.teacher.logits == "cache" else None, params)
@@ -113,15 +113,26 @@ class KdsweepOptunaSweeper(Sweeper):
             "(local processes; dist.nproc_per_node=N for ranks) or hydra/launcher=submitit_slurm"
         )
 
-    def _validate_points(self, base: list, space: list, enqueue: Any, sweep_dir: Path) -> Any:
+    def _validate_points(self, base: list, space: list, enqueue: Any, sweep_dir: Path, confirming: bool) -> Any:
         """Every corner of the space (both ends of each range, every choice) and every enqueued point must make a
-        valid job; returns the base point's RunConfig."""
+        valid job, and so must a confirmation trial (the live teacher, the test split); returns the base point's
+        RunConfig."""
         from kdsweep.app import validate_composed
+        from kdsweep.config.schema import ConfigError
+        from kdsweep.sweep.confirm import UNBIASED
 
         points = [[]] + [[f"{p.key}={v}"] for p in space for v in p.corners()]
         points += [[f"{k}={v}" for k, v in point.items()] for point in enqueue]
-        configs = [validate_composed(self.hydra_context.config_loader.load_sweep_config(self.config, [*base, *extra]),
-                                     str(sweep_dir / "validation")) for extra in points]
+        load = self.hydra_context.config_loader.load_sweep_config
+        compose = lambda extra: validate_composed(load(self.config, [*base, *extra]), str(sweep_dir / "validation"))
+        configs = [compose(extra) for extra in points]
+        if confirming:
+            try:
+                compose(list(UNBIASED))
+            except ConfigError as e:
+                raise ConfigError(f"hydra.sweeper.confirm scores its verdict with the live teacher on the test split "
+                                  f"({' '.join(UNBIASED)}), and that job is refused: {e}; or pass "
+                                  "hydra.sweeper.confirm.top=0 for no confirmation") from None
         return configs[0]
 
 

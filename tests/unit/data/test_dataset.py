@@ -122,9 +122,9 @@ def test_weighted_mix_matches_its_weights_and_is_seeded(tmp_path, files, tok, to
     share = sum(is_chat[i] for i in drawn) / len(drawn)
     assert abs(share - 0.25) < 4 * (0.25 * 0.75 / len(drawn)) ** 0.5
     # the same seed gives the same rows; another seed another order
-    again = data_mod.build(cfg, tok, IGNORE)[0]
+    again = data_mod.build(cfg, tok, IGNORE)[0]["train"]
     assert torch.equal(again.input_ids, data.train.input_ids)
-    other = data_mod.build(DataConfig(**{**vars(cfg), "split_seed": 7}), tok, IGNORE)[0]
+    other = data_mod.build(DataConfig(**{**vars(cfg), "split_seed": 7}), tok, IGNORE)[0]["train"]
     assert not torch.equal(other.input_ids[:200], data.train.input_ids[:200])
 
 
@@ -150,6 +150,26 @@ def test_explicit_eval_datasets_or_a_seeded_held_out_fraction(tmp_path, files, t
                                                                                       format="instruction"),),
                                   sequences="pad"), tok, tok_dir)
     assert explicit.stats["train"]["samples"] == 80 and explicit.stats["eval"]["samples"] == 120
+
+
+def test_a_test_split_is_disjoint_and_leaves_the_eval_rows_as_they_were(tmp_path, files, tok, tok_dir):
+    src = (DatasetConfig(path=files["text"]),)
+    rows = lambda data: {tuple(data.input_ids[int(a):int(b)].tolist()) for a, b in zip(data.offsets, data.offsets[1:])}
+    without = load_data(data_cfg(tmp_path, datasets=src, eval_fraction=0.25, sequences="pad"), tok, tok_dir)
+    assert without.test is None and "test" not in without.stats
+    split = load_data(data_cfg(tmp_path, datasets=src, eval_fraction=0.25, test_fraction=0.25, sequences="pad"),
+                      tok, tok_dir)
+    assert torch.equal(split.eval.input_ids, without.eval.input_ids)  # the eval rows are the same rows
+    assert split.stats["test"]["samples"] == 15 == split.stats["train"]["sources"][0]["test"]  # 25% of the 60 left
+    assert split.stats["train"]["samples"] == 45
+    assert rows(split.test) | rows(split.train) == rows(without.train)  # carved from the training rows alone
+    assert not rows(split.test) & rows(split.train) and not rows(split.test) & rows(split.eval)
+    explicit = load_data(data_cfg(tmp_path, datasets=src, eval_fraction=0.25, sequences="pad",
+                                  test_datasets=(DatasetConfig(path=files["inst"], format="instruction"),)),
+                         tok, tok_dir)
+    assert explicit.stats["test"]["samples"] == 120 and explicit.stats["train"]["samples"] == 60
+    with pytest.raises(ConfigError, match="data.test_fraction=0.8 must be in"):
+        DataConfig(eval_fraction=0.25, test_fraction=0.8)
 
 
 def test_the_cache_is_reused_and_keyed_by_what_shapes_the_rows(tmp_path, files, tok, tok_dir, monkeypatch):

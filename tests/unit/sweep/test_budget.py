@@ -226,12 +226,12 @@ class Simulated:
         pass
 
 
-def timed_sweep(tmp_path, monkeypatch, backend, **settings):
+def timed_sweep(tmp_path, monkeypatch, backend, cached=False, **settings):
     monkeypatch.setattr("kdsweep.sweep.budget.time", backend.clock)
     monkeypatch.setattr("kdsweep.sweep.controller.time", backend.clock)
     s = SweepSettings(**{"study_name": "b", "sampler": "random", "seed": 0, "pruner": "none", "poll_s": 1.0,
                          "max_concurrent": 3, **settings})
-    return Controller(s, parse_space(SPACE), ["train=smoke"], tmp_path, backend).run()
+    return Controller(s, parse_space(SPACE), ["train=smoke"], tmp_path, backend, teacher_cache=cached).run()
 
 
 MIXED = [("pruned", 30.0), ("complete", 100.0), ("pruned", 20.0), ("fail", 10.0), ("complete", 90.0),
@@ -290,3 +290,50 @@ def test_confirmation_trials_ask_the_budget_and_the_verdict_says_what_it_cut(tmp
     assert manifest.data["confirmation"]["cut"] == "the device budget was spent"
     line = manifest.data["verdict"]["line"]
     assert line.endswith("; 1 of its 6 trials ran: the device budget was spent before the rest"), line
+
+
+CACHED_S, LIVE_S = 50.0, 150.0  # a search trial reading the teacher cache; a confirmation seed's, with the live teacher
+BUILD = {"device_seconds": 30.0, "teacher_load_s": 5.0, "ranks": 1, "teacher_tokens": 10_000}
+READ = (LIVE_S - CACHED_S - 5.0) / ((30.0 - 5.0) / 10_000)  # the tokens a cached trial reads: the build's rate prices
+# the live teacher's work on them at exactly what a live trial costs here
+
+
+class Cached(Simulated):
+    """A search on the teacher cache (the first trial built it, if ``built``) whose confirmation seeds run live."""
+
+    def __init__(self, clock: Clock, built: bool) -> None:
+        super().__init__(clock, [("complete", CACHED_S)], confirm_s=LIVE_S)
+        self.built = built
+
+    def poll(self, job):
+        code = super().poll(job)
+        path = Path(job["run_dir"]) / "run.json"
+        record = json.loads(path.read_text())
+        if code is not None:
+            record["cost"]["teacher_tokens_read"] = READ if job["seconds"] == CACHED_S else 0.0
+            first = job["run_dir"].endswith("/0")
+            record["teacher_targets"] = {"source": "cache", "build": BUILD if self.built and first else None}
+            path.write_text(json.dumps(record))
+        return code
+
+
+@pytest.mark.parametrize("built", [True, False])
+def test_a_live_confirmation_after_a_cached_search_is_priced_by_the_build_or_a_probe(tmp_path, monkeypatch, built):
+    """Priced by the cached trials (50), the six live seeds (150 each) would overrun a budget of 1,200 by 600 at
+    once. With the cache build's measured teacher rate the search leaves them room and all six run; with no build to
+    read (a cache made before the sweep) the first seed runs alone as the probe and the budget cuts the rest."""
+    backend = Cached(Clock(), built)
+    manifest = timed_sweep(tmp_path, monkeypatch, backend, cached=True, n_trials=None, budget=1200 / 3600.0,
+                           confirm={"top": 1, "seeds": 3, "baseline_trials": 0})
+    seeds = [start for start in backend.started if start[2]]
+    ended = manifest.data["confirmation"]["search_ended"]
+    assert ended["priced_apart"] and spent(manifest) <= 1200 + LIVE_S, spent(manifest)
+    if built:
+        assert ended["seed_device_seconds"] == pytest.approx(LIVE_S) and len(seeds) == 6
+        assert 1200 - LIVE_S <= spent(manifest)
+        return
+    assert ended["seed_device_seconds"] is None and "trials ran: the device budget was spent" in manifest.data[
+        "verdict"]["line"]
+    numbers = sorted((t for t in manifest.trials.values() if t.get("confirm")), key=lambda t: t["number"])
+    first_end = numbers[0]["ended"]  # the probe ran alone: no other seed started before its pace was known
+    assert all(t["started"] >= numbers[0]["started"] + LIVE_S / STEPS for t in numbers[1:]), (first_end, numbers)

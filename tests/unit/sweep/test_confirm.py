@@ -56,6 +56,9 @@ class Recorded:
         record = {"status": "completed", "world_size": 1, "config": {"train": {"max_steps": 4}},
                   "eval_after": {"student_ce": ce, "kl": 1.0 - ce / 10},
                   "cost": {"trial_seconds": 10.0, "device_seconds": 10.0}}
+        if v.get("train.eval_test") == "true":  # the test split: other rows, another value
+            test = ce + 0.02 + 0.003 * math.cos(int(v["train.seed"]) * 3.1)
+            record["test_after"] = {"student_ce": test, "kl": 1.0 - test / 10}
         (Path(job["run_dir"]) / "run.json").write_text(json.dumps(record))
         return 0
 
@@ -100,6 +103,9 @@ def test_the_top_points_and_the_ce_only_baseline_are_rerun_with_fresh_seeds_and_
         seed = t["confirm"]["seed"]
         assert t["params"] == points[t["confirm"]["label"]]
         assert f"train.seed={seed}" in t["args"] and f"rollout.seed={seed}" in t["args"]  # every random source
+        assert "teacher.logits=live" in t["args"] and "train.eval_test=true" in t["args"]  # unbiased, on the test split
+        assert t["test"] != t["values"]
+    assert not any(a in t["args"] for t in search for a in ("train.eval_test=true", "teacher.logits=live"))
     baseline = next(t for t in confirmation if t["confirm"]["label"] == "ce_only")["args"]
     assert all(a in baseline for a in ("loss.kd_ratio=0.0", "rollout.lmbda=0.0", "rollout.seq_kd=False"))
     assert baseline.index("loss.kd_ratio=0.0") > baseline.index("train=smoke")  # after the base overrides: it wins
@@ -107,7 +113,7 @@ def test_the_top_points_and_the_ce_only_baseline_are_rerun_with_fresh_seeds_and_
     by = {label: {} for label in points}
     for t in confirmation:
         record = json.loads((Path(t["run_dir"]) / "run.json").read_text())
-        by[t["confirm"]["label"]][t["confirm"]["seed"]] = record["eval_after"]["student_ce"]
+        by[t["confirm"]["label"]][t["confirm"]["seed"]] = record["test_after"]["student_ce"]
     verdict = manifest.data["verdict"]
     rows = {r["label"]: r for r in verdict["points"]}
     for label, values in by.items():
@@ -123,7 +129,9 @@ def test_the_top_points_and_the_ce_only_baseline_are_rerun_with_fresh_seeds_and_
     # top1 against CE-only and top2 against top1: two comparisons; top1's, the smaller p, tested first
     assert (f"beats CE-only by {gain:.4f} ± {gain_ci:.4f} (3 seeds; Holm over 2 comparisons: t={T_9875_2DF})"
             in verdict["line"])  # kd_ratio 0 sits 0.36 worse here
-    assert verdict["line"].startswith("kd_ratio=") and "over 3 seeds" in verdict["line"]
+    assert verdict["line"].startswith("kd_ratio=") and "on the test split over 3 seeds" in verdict["line"]
+    search_best = statistics.fmean(t["values"][0] for t in confirmation if t["confirm"]["label"] == "top1")
+    assert rows["top1"]["eval_mean"] == pytest.approx(search_best) and rows["top1"]["split"] == "test"
     assert "baseline: CE-only (kd_ratio=0, lmbda=0, no seq_kd) at the best point's learning rate" in verdict["line"]
     study = optuna.load_study(study_name="c", storage=f"sqlite:///{tmp_path / 'optuna.db'}")
     assert study.user_attrs["verdict"] == verdict["line"]
