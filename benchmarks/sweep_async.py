@@ -13,19 +13,27 @@ Per sweep seed (``--seeds``), on the embedded default with ``hparams_search=kd_o
   hold on the cores from launch to leaving, idle included). ``halving`` is Optuna's successive halving with a grace
   period (``halving:20``: no trial pruned before step 20, ``hydra.sweeper.pruner_warmup_steps``); ``percentile:0``
   the rule shipped before (the worst quarter at any eval), ``percentile:20`` the same with the grace period.
-- **confirmation**: each arm's winner (its best completed trial) trained again with ``--confirm-seeds`` fresh
-  training seeds (``train.seed`` = 1000, 1001, …) and the live teacher: the mean and 95% interval that the user
-  would act on. The **seed noise** is the pooled standard deviation over seeds of every confirmed point.
+- **confirmation**, alike for every arm and outside the budget (the kdsweep arms run with ``confirm.top=0``), as
+  kdsweep's own confirmation does it (``kdsweep.sweep.confirm``): each arm's winner (its best completed trial on the
+  eval split) trained again with ``--confirm-seeds`` fresh seeds (``train.seed`` = ``rollout.seed`` = 1000, 1001, …),
+  the live teacher, and scored on the **test split** no search trial read (``data.test_fraction`` of ``kd_optuna``):
+  the mean and 95% interval that the user would act on. Against it, the **fair baseline**: CE-only
+  (``kd_ratio=0``, no generation, no sequence-level KD) at a learning rate of its own (``--baseline-trials``
+  CE-only trials log-uniform over the searched range, the best on the eval split), on the same seeds and test split;
+  each winner's paired difference to it, with its 95% interval and t. The **seed noise** is the pooled standard
+  deviation over seeds of every confirmed point (test split).
 - **late bloomers**: every trial a pruner stopped is run again to its end (seed 0, as in its sweep) to learn what
   it would have reached: a pruner *cut the eventual best* when one of them ends better than its arm's best.
 
-Reported per seed and arm: the best objective found, the device-seconds until the arm first completed a trial
-within the seed noise of the batch arm's best, the confirmed mean ± 95% of its winner, trials run, pruned, and the
+Reported per seed and arm: the best objective found (eval split), the device-seconds until the arm first completed a
+trial within the seed noise of the batch arm's best, the confirmed mean ± 95% of its winner on the test split and its
+paired difference to the fair baseline, trials run, pruned, and the
 pruned trials that would have beaten its best. Then, over seeds, the medians the README quotes. Arms run one after
 the other, never side by side; the confirmation and late-bloomer runs come after them.
 
     python benchmarks/sweep_async.py [--seeds 0 1 2] [--n-trials 16] [--concurrency 2] [--workers 2]
                                      [--pruners halving:20 percentile:0 percentile:20 none] [--confirm-seeds 3]
+                                     [--baseline-trials 4]
                                      [--extra OVERRIDE ...] [--out benchmarks/results/sweep_async.json] [--keep DIR]
 """
 from __future__ import annotations
@@ -36,6 +44,7 @@ import json
 import math
 import os
 import platform
+import random
 import shutil
 import statistics
 import subprocess
@@ -49,6 +58,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 SEARCH = "kd_optuna"
+UNBIASED = ["teacher.logits=live", "train.eval_test=true"]  # kdsweep.sweep.confirm.UNBIASED, as a confirmation seed
+CE_ONLY = ["kd_ratio=0.0", "rollout.lmbda=0.0", "rollout.seq_kd=false"]  # kdsweep.sweep.confirm.CE_ONLY's knobs
 
 
 def sweeper_yaml() -> dict[str, Any]:
@@ -153,7 +164,8 @@ def run_async(work: Path, arm: str, seed: int, c: int, sweeper: list[str],
 
 
 def run_points(work: Path, points: list[tuple[str, dict[str, Any], list[str]]], c: int) -> dict[str, dict[str, Any]]:
-    """Each ``(name, params, overrides)`` as one ``python -m kdsweep`` job, ``c`` at a time: objective and seconds."""
+    """Each ``(name, params, overrides)`` as one ``python -m kdsweep`` job, ``c`` at a time: objective (on the test
+    split when it was scored on it, else the eval split's), the eval split's, and seconds."""
     env, out, queue, running = trial_env(c), {}, list(points), {}
     while queue or running:
         while queue and len(running) < c:
@@ -165,12 +177,13 @@ def run_points(work: Path, points: list[tuple[str, dict[str, Any], list[str]]], 
                    *(f"{k}={v}" for k, v in params.items()), f"hydra.run.dir={run_dir}"]
             with open(run_dir / "job.log", "wb") as log:
                 running[name] = (subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env),
-                                 run_dir, time.time())
-        for name, (proc, run_dir, started) in list(running.items()):
+                                 run_dir, time.time(), overrides)
+        for name, (proc, run_dir, started, _) in list(running.items()):
             if proc.poll() is not None:
-                state, value, reason = read_objective(run_dir, proc.returncode)
+                on_test = "train.eval_test=true" in running[name][3]
+                state, value, reason = read_objective(run_dir, proc.returncode, "test" if on_test else "eval")
                 out[name] = {"state": state, "objective": value, "seconds": round(time.time() - started, 2),
-                             "reason": reason}
+                             "reason": reason, "eval": read_objective(run_dir, proc.returncode, "eval")[1]}
                 del running[name]
         time.sleep(0.2)
     return out
@@ -185,15 +198,31 @@ def interval(values: list[float]) -> tuple[float | None, float | None]:
     return statistics.fmean(values), float(student_t.ppf(0.975, len(values) - 1)) * statistics.stdev(values) / math.sqrt(len(values))
 
 
-def read_objective(run_dir: Path, code: int) -> tuple[str, float | None, str | None]:
+def read_objective(run_dir: Path, code: int, split: str = "eval") -> tuple[str, float | None, str | None]:
+    """A finished job's state, its objective on ``split`` (eval: the search's; test: a confirmation's) and why not."""
     record_path = run_dir / "run.json"
     record = json.loads(record_path.read_text()) if record_path.exists() else {}
-    value = record.get("objective")
-    if value is None:
-        value = (record.get("eval_after") or {}).get("student_ce")
+    value = (record.get(f"{split}_after") or {}).get("student_ce")
     if code == 0 and record.get("status") == "completed" and value is not None and math.isfinite(value):
         return "COMPLETE", float(value), None
     return "FAIL", None, record.get("error") or f"exit {code}, status {record.get('status')}"
+
+
+def paired(a: list[float | None], b: list[float | None]) -> dict[str, Any]:
+    """a − b over the seeds both completed: mean, unadjusted 95% half-width, t and the seeds."""
+    diffs = [x - y for x, y in zip(a, b) if x is not None and y is not None]
+    mean, half = interval(diffs)
+    sd = statistics.stdev(diffs) if len(diffs) > 1 else None
+    t = None if not sd else mean / (sd / math.sqrt(len(diffs)))
+    return {"mean": mean, "ci95": half, "t": t, "seeds": len(diffs)}
+
+
+def baseline_lrs(space: list[dict[str, Any]], seed: int, n: int) -> list[float]:
+    """``n`` learning rates log-uniform over the searched range, drawn from the sweep seed (as kdsweep's plan)."""
+    lr = next(p for p in space if p["key"] in ("lr", "optim.lr"))
+    low, high = lr["low"], lr["high"]
+    draw = random.Random(f"{seed}:ce_lr")
+    return sorted(math.exp(draw.uniform(math.log(low), math.log(high))) for _ in range(n))
 
 
 def run_batch(work: Path, n: int, c: int, seed: int, extra: list[str]) -> tuple[list[dict[str, Any]], float, list[dict]]:
@@ -231,7 +260,7 @@ def run_batch(work: Path, n: int, c: int, seed: int, extra: list[str]) -> tuple[
                     ended[number] = time.time()
             time.sleep(0.1)
         for number, (trial, proc, run_dir, started) in running.items():
-            state, value, reason = read_objective(run_dir, proc.returncode)
+            state, value, reason = read_objective(run_dir, proc.returncode, "eval")
             if state == "COMPLETE":
                 study.tell(trial, value)
             else:
@@ -255,6 +284,7 @@ def one_seed(work: Path, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         arm = f"kdsweep/{pruner}" + (f"-grace{grace}" if grace and grace != "0" else "")
         print(f"seed {seed}: {arm}, budget {budget:.0f} device-s, {args.workers} warm workers, cache", flush=True)
         sweeper = ["hydra.sweeper.n_trials=null", f"hydra.sweeper.budget={budget / 3600:.8f}",
+                   "hydra.sweeper.confirm.top=0",  # every arm's winner is confirmed alike, below
                    f"hydra.sweeper.workers={args.workers}", f"hydra.sweeper.pruner={pruner}",
                    f"hydra.sweeper.pruner_warmup_steps={grace or 0}"]
         cache = ["teacher.logits=cache", "teacher.cache.method=sample", f"teacher.cache.dir={work / arm / 'cache'}"]
@@ -265,27 +295,41 @@ def one_seed(work: Path, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         arms[arm] = (rows, wall, lambda t, spans=spans: pool_device_seconds(spans, t))
     metrics = {name: summarize(rows, wall, spent) for name, (rows, wall, spent) in arms.items()}
 
-    # the winners, trained again with fresh seeds and the live teacher; then each pruned trial to its end
+    # the CE-only learning rates (eval split, the search's seed), then the winners and the fair baseline trained
+    # again with fresh seeds and the live teacher on the test split; then each pruned trial to its end
+    lrs = baseline_lrs(space, seed, args.baseline_trials)
+    print(f"seed {seed}: {len(lrs)} CE-only learning-rate runs", flush=True)
+    ce_runs = run_points(work, [(f"ce_lr{i}", {"lr": lr}, [*extra, *CE_ONLY]) for i, lr in enumerate(lrs)], c)
+    ce_done = [(r["objective"], lrs[i]) for i, r in enumerate(ce_runs[f"ce_lr{i}"] for i in range(len(lrs)))
+               if r["objective"] is not None]
+    ce_lr = min(ce_done)[1]
+    seeded = lambda k: [*extra, f"train.seed={1000 + k}", f"rollout.seed={1000 + k}", *UNBIASED]  # noqa: E731
     winners = list({json.dumps(m["best_params"], sort_keys=True): m["best_params"]  # arms that agree share runs
                     for m in metrics.values() if m["best_params"]}.values())
     point_of = lambda params: f"winner{winners.index(params)}"  # noqa: E731
-    points = [(f"{point_of(params)}-s{k}", params, [*extra, f"train.seed={1000 + k}"])
-              for params in winners for k in range(args.confirm_seeds)]
+    points = [(f"{point_of(params)}-s{k}", params, seeded(k)) for params in winners for k in range(args.confirm_seeds)]
+    points += [(f"ce_only-s{k}", {"lr": ce_lr}, [*seeded(k), *CE_ONLY]) for k in range(args.confirm_seeds)]
     cache_of = lambda name: ["teacher.logits=cache", "teacher.cache.method=sample",  # noqa: E731
                              f"teacher.cache.dir={work / name / 'cache'}"]
     pruned = [(f"{name.replace('/', '-')}-late{r['number']}", r["params"], [*extra, *cache_of(name)])
               for name, (rows, _, _) in arms.items() if name != "batch" for r in rows if r["state"] == "PRUNED"]
     print(f"seed {seed}: {len(points)} confirmation runs, {len(pruned)} pruned trials run to their end", flush=True)
     results = run_points(work, points + pruned, c)
+    ce_values = [results[f"ce_only-s{k}"]["objective"] for k in range(args.confirm_seeds)]
+    ce_mean, ce_half = interval([v for v in ce_values if v is not None])
+    baseline = {"lr": ce_lr, "lr_runs": [{"lr": lr, "eval": ce_runs[f"ce_lr{i}"]["objective"]} for i, lr in enumerate(lrs)],
+                "values": ce_values, "mean": ce_mean, "ci95": ce_half,
+                "eval_values": [results[f"ce_only-s{k}"]["eval"] for k in range(args.confirm_seeds)]}
     confirmed = {}
     for name, m in metrics.items():
-        values = [results[f"{point_of(m['best_params'])}-s{k}"]["objective"]
-                  for k in range(args.confirm_seeds)] if m["best_params"] else []
-        values = [v for v in values if v is not None]
-        mean, half = interval(values)
-        confirmed[name] = values
-        m["confirmed"] = {"values": values, "mean": mean, "ci95": half}
+        runs = [results[f"{point_of(m['best_params'])}-s{k}"] for k in range(args.confirm_seeds)] if m["best_params"] else []
+        values = [r["objective"] for r in runs]
+        mean, half = interval([v for v in values if v is not None])
+        confirmed[name] = [v for v in values if v is not None]
+        m["confirmed"] = {"values": values, "mean": mean, "ci95": half, "split": "test",
+                          "eval_values": [r["eval"] for r in runs], "vs_ce_only": paired(values, ce_values)}
     by_point = {json.dumps(metrics[name]["best_params"], sort_keys=True): v for name, v in confirmed.items() if len(v) > 1}
+    by_point["ce_only"] = [v for v in ce_values if v is not None]
     noise = math.sqrt(statistics.fmean(statistics.variance(v) for v in by_point.values()))
     goal = metrics["batch"]["best_objective"] + noise
     for name, (rows, wall, spent) in arms.items():
@@ -301,7 +345,7 @@ def one_seed(work: Path, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         m["ratio_to_batch"] = (None if m["device_s_to_within_noise_of_batch_best"] is None else round(
             m["device_s_to_within_noise_of_batch_best"] / metrics["batch"]["device_s_to_within_noise_of_batch_best"], 3))
     return {"seed": seed, "budget_device_s": round(budget, 2), "seed_noise_sd": noise, "within_noise_goal": goal,
-            "arms": metrics, "trials": {name: rows for name, (rows, _, _) in arms.items()}, "space": space}
+            "baseline": baseline, "arms": metrics, "trials": {name: rows for name, (rows, _, _) in arms.items()}, "space": space}
 
 
 def main() -> None:
@@ -313,6 +357,7 @@ def main() -> None:
     parser.add_argument("--pruners", nargs="+", default=["halving:20", "percentile:0", "percentile:20", "none"],
                         help="kdsweep arms: pruner[:grace steps] (hydra.sweeper.pruner_warmup_steps)")
     parser.add_argument("--confirm-seeds", type=int, default=3)
+    parser.add_argument("--baseline-trials", type=int, default=4, help="CE-only learning rates tried for the baseline")
     parser.add_argument("--extra", action="append", default=[], metavar="OVERRIDE",
                         help="a Hydra override for every trial of every arm (repeat it)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "sweep_async.json"))
@@ -346,7 +391,11 @@ def print_table(seeds: list[dict[str, Any]]) -> None:
             print(f"{s['seed']:>4} {name:<22} {s['budget_device_s']:>7.0f} {m['device_seconds']:>7.0f} "
                   f"{fmt(m['best_objective'], '.4f'):>7} {fmt(m['device_s_to_within_noise_of_batch_best'], '.0f'):>9} "
                   f"{fmt(m['ratio_to_batch'], '.2f'):>6} {fmt(conf['mean'], '.4f'):>7} ± {fmt(conf['ci95'], '.4f'):<6} "
-                  f"{m['trials']:>6} {m['pruned']:>6} {len(m['late_bloomers']):>5}")
+                  f"{m['trials']:>6} {m['pruned']:>6} {len(m['late_bloomers']):>5}  vs CE-only "
+                  f"{fmt(conf['vs_ce_only']['mean'], '+.4f')} ± {fmt(conf['vs_ce_only']['ci95'], '.4f')}")
+        b = s["baseline"]
+        print(f"{s['seed']:>4} {'CE-only lr ' + format(b['lr'], '.3g'):<22} {'':>7} {'':>7} {'':>7} {'':>9} {'':>6} "
+              f"{fmt(b['mean'], '.4f'):>7} ± {fmt(b['ci95'], '.4f'):<6}")
     for name, row in summarize_seeds(seeds).items():
         print(f"{name}: device-s to within noise of the batch best / batch's, median {row['median_ratio_to_batch']} "
               f"{row['ratios']}; as good as batch {row['at_least_as_good_as_batch']}; cut the eventual best in "
@@ -366,6 +415,7 @@ def summarize_seeds(seeds: list[dict[str, Any]]) -> dict[str, Any]:
                                           for a, s in zip(arms, seeds)],
             "seeds_that_cut_the_eventual_best": sum(a["cut_the_eventual_best"] for a in arms),
             "confirmed_means": [a["confirmed"]["mean"] for a in arms],
+            "vs_ce_only": [a["confirmed"]["vs_ce_only"] for a in arms],
             "device_seconds": [a["device_seconds"] for a in arms],
             "trials": [a["trials"] for a in arms], "pruned": [a["pruned"] for a in arms],
         }
@@ -379,12 +429,16 @@ def report(seeds: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, A
         "cpus": len(os.sched_getaffinity(0)),
         "settings": {"search": f"hparams_search={SEARCH}", "seeds": args.seeds, "n_trials": args.n_trials,
                      "concurrency": args.concurrency, "workers": args.workers, "pruners": args.pruners,
-                     "confirm_seeds": args.confirm_seeds, "extra": args.extra,
+                     "confirm_seeds": args.confirm_seeds, "baseline_trials": args.baseline_trials,
+                     "extra": args.extra,
                      "trial_threads": int(trial_env(args.concurrency)["OMP_NUM_THREADS"]),
                      "sweeper": {k: v for k, v in sweeper_yaml().items() if k != "params"}},
         "notes": ["budget: the batch arm's device-seconds (its trials' wall time); kdsweep's arms spend it as kdsweep "
                   "counts (workers' hold from launch to leaving, idle and the cache build included)",
-                  "seed noise: the pooled standard deviation over training seeds of every confirmed winner",
+                  "seed noise: the pooled standard deviation over training seeds of every confirmed point (test split)",
+                  "confirmation: live teacher, train.seed = rollout.seed = 1000.., scored on the test split "
+                  "(data.test_fraction 0.05 of kd_optuna; every arm trains without those rows); the fair baseline: "
+                  "CE-only at the best of --baseline-trials learning rates on the eval split, lora_rank 8",
                   "late bloomers: pruned trials that, run to their end, beat their arm's best"],
         "summary": summarize_seeds(seeds), "seeds": seeds,
     }
