@@ -317,12 +317,14 @@ def one_seed(work: Path, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     results = run_points(work, points + pruned, c)
     ce_values = [results[f"ce_only-s{k}"]["objective"] for k in range(args.confirm_seeds)]
     ce_mean, ce_half = interval([v for v in ce_values if v is not None])
-    baseline = {"lr": ce_lr, "lr_runs": [{"lr": lr, "eval": ce_runs[f"ce_lr{i}"]["objective"]} for i, lr in enumerate(lrs)],
+    tried = [{"lr": lr, "eval": ce_runs[f"ce_lr{i}"]["objective"]} for i, lr in enumerate(lrs)]
+    baseline = {"lr": ce_lr, "lr_runs": tried,
                 "values": ce_values, "mean": ce_mean, "ci95": ce_half,
                 "eval_values": [results[f"ce_only-s{k}"]["eval"] for k in range(args.confirm_seeds)]}
     confirmed = {}
     for name, m in metrics.items():
-        runs = [results[f"{point_of(m['best_params'])}-s{k}"] for k in range(args.confirm_seeds)] if m["best_params"] else []
+        runs = ([results[f"{point_of(m['best_params'])}-s{k}"] for k in range(args.confirm_seeds)]
+                if m["best_params"] else [])
         values = [r["objective"] for r in runs]
         mean, half = interval([v for v in values if v is not None])
         confirmed[name] = [v for v in values if v is not None]

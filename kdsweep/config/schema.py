@@ -238,7 +238,7 @@ class DataConfig:
     eval_batch_size: int = 16
     """Rows per forward during evaluation."""
     max_eval_sequences: int = 0
-    """Evaluate on at most this many held-out rows (0 = all of them)."""
+    """Evaluate on at most this many rows of the eval split, and of the test split (0 = all of them)."""
 
     def __post_init__(self) -> None:
         _check(self.seq_len >= 2, f"data.seq_len={self.seq_len} must be >= 2")

@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 DOING = ["starting"]
 """What this rank is doing (one phrase, :func:`doing`), for the line its failure ends in."""
 RAISE_AT = "KDSWEEP_TEST_RAISE_AT"
-"""For tests: ``<rank>:<step>`` makes that rank raise after that optimizer step, once per run directory."""
+"""For tests: ``<rank>:<step>`` makes that rank raise after that optimizer step, once per run directory;
+``<rank>:<step>@<name>`` only in the run directory of that name (a sweep's trial number)."""
 PEER_MARKERS = ("gloo/transport", "Connection closed by peer", "Connection reset by peer", "NCCL communicator",
                 "Watchdog caught collective", "Timed out waiting", "ProcessGroupNCCL")
 """What the errors of a collective whose peer is gone say (gloo's and NCCL's), for those raised by ``wait()`` on an
@@ -122,8 +123,8 @@ def end_rank(run_dir: Path, rank: int, e: BaseException, timeout_s: float, speak
 
 def injected(rank: int, step: int, run_dir: Path) -> None:
     """Tests: raise here when :data:`RAISE_AT` names this rank and step (once per run directory: its retry runs)."""
-    spec = os.environ.get(RAISE_AT)
-    if spec != f"{rank}:{step}":
+    spec, here = os.environ.get(RAISE_AT), f"{rank}:{step}"
+    if spec not in (here, f"{here}@{Path(run_dir).name}"):
         return
     mark = Path(run_dir) / f".raised-{rank}-{step}"
     if mark.exists():

@@ -138,15 +138,24 @@ def is_seed(entry: dict[str, Any]) -> bool:
     return (entry.get("confirm") or {}).get("seed") is not None
 
 
-def teacher_work(records: list[dict[str, Any]]) -> float | None:
-    """What the live teacher adds to a cached trial, in device-seconds per cached token read, from the cache build
-    some record made (its device-seconds less its teacher's load, over the teacher tokens it computed); None when no
-    record built it."""
+def teacher_work(records: list[dict[str, Any]]) -> tuple[float, float] | None:
+    """What the live teacher adds to a cached trial, from the cache build some record made: its load (seconds) and its
+    device-seconds per token (the build's less the load, over the teacher tokens it computed); None when no record
+    built the cache."""
     for r in records:
         b = (r.get("teacher_targets") or {}).get("build") or {}
         if b.get("teacher_tokens"):
-            return max(b["device_seconds"] - b.get("teacher_load_s", 0.0) * b["ranks"], 0.0) / b["teacher_tokens"]
+            load = float(b.get("teacher_load_s", 0.0))
+            return load, max(b["device_seconds"] - load * b["ranks"], 0.0) / b["teacher_tokens"]
     return None
+
+
+def as_live(record: dict[str, Any], load: float, per_token: float) -> float | None:
+    """A completed cached trial's device-seconds had it run the live teacher: its own, and per rank the teacher's load
+    and its work on every token the trial read from the cache."""
+    cost = full_cost(record)
+    read = float((record.get("cost") or {}).get("teacher_tokens_read") or 0.0)
+    return None if cost is None else cost + int(record.get("world_size") or 1) * (load + per_token * read)
 
 
 def _cold_only(entries: list[dict[str, Any]]) -> bool:
@@ -256,15 +265,11 @@ class Budget:
         running = self._projected(seeds)
         if running is not None:
             return running
-        cached = [r for r in map(_record, self._searched()) if r.get("status") == "completed"]
-        rate = teacher_work(list(map(_record, self.manifest.trials.values())))
-        if rate is not None and cached:
-            load = max(((r.get("teacher_targets") or {}).get("build") or {}).get("teacher_load_s", 0.0)
-                       for r in map(_record, self.manifest.trials.values()))
-            live = [full_cost(r) + int(r.get("world_size") or 1) * (load + rate * float(
-                    (r.get("cost") or {}).get("teacher_tokens_read") or 0.0)) for r in cached if full_cost(r)]
-            if live:
-                return statistics.fmean(live) + self._idle_share()
+        work = teacher_work([_record(e) for e in self.manifest.trials.values()])
+        cached = [_record(e) for e in self._searched() if e.get("state") == "COMPLETE"]
+        live = [c for c in (as_live(r, *work) for r in cached) if c is not None] if work else []
+        if live:
+            return statistics.fmean(live) + self._idle_share()
         return self.estimate
 
     def _projected(self, entries: list[dict[str, Any]] | None = None) -> float | None:

@@ -127,7 +127,8 @@ def start_trial(cfg: RunConfig, dist: DistEnv, device: torch.device, src: Source
             return evaluate(student, src.teacher.eval, batches, loss_cfg=cfg.loss, dist=dist, chunks=chunks["eval"])
 
     def evaluate_test() -> EvalResult:  # the data has a test split whenever train.eval_test is set (RunConfig)
-        return evaluate_now(eval_batches_of_rank(src.data.test, cfg.data.eval_batch_size, dist, device))
+        rows = src.data.test.head(cfg.data.max_eval_sequences)
+        return evaluate_now(eval_batches_of_rank(rows, cfg.data.eval_batch_size, dist, device))
 
     # the job's own start: its imports and tokenization hold the devices too
     teacher = src.teacher
