@@ -16,9 +16,9 @@ that has not logged a step yet tells nothing, and no other trial starts until on
 
 A confirmation seed's trial trains with the live teacher (``confirm.UNBIASED``). After a search that read the teacher
 cache it is priced apart (:meth:`Budget.seed_trial`): by the confirmation seeds that have finished, else by their own
-pace while they run, else by the cached trials plus the teacher's work the cache build measured (its load, and its
-device-seconds per token for every token a cached trial read), else by ``trial_hours``; with none of these, one seed
-trial runs alone as the probe until its pace tells.
+pace while they run, else by the cached trials plus the teacher's work the cache's build measured (in the sweep or
+before it: its load, and its device-seconds per token for every token a cached trial read), else by ``trial_hours``;
+with none of these, one seed trial runs alone as the probe until its pace tells.
 
 The controller asks for a search trial while what is spent, plus what the running trials may still spend, plus the
 confirmation's reserve (:meth:`Budget.allows`) leaves part of the budget; a confirmation trial while what is spent
@@ -138,12 +138,23 @@ def is_seed(entry: dict[str, Any]) -> bool:
     return (entry.get("confirm") or {}).get("seed") is not None
 
 
+def _built(cache_dir: str | None) -> dict[str, Any]:
+    """What a teacher cache's build measured (its ``meta.json``'s ``built``; empty when it cannot be read)."""
+    if not cache_dir:
+        return {}
+    try:
+        return json.loads((Path(cache_dir) / "meta.json").read_text()).get("built") or {}
+    except (OSError, ValueError):
+        return {}
+
+
 def teacher_work(records: list[dict[str, Any]]) -> tuple[float, float] | None:
-    """What the live teacher adds to a cached trial, from the cache build some record made: its load (seconds) and its
-    device-seconds per token (the build's less the load, over the teacher tokens it computed); None when no record
-    built the cache."""
+    """What the live teacher adds to a cached trial, from its cache's build (made by a trial, or before the sweep:
+    the cache's ``meta.json``): the teacher's load (seconds) and its device-seconds per token (the build's less the
+    load, over the teacher tokens it computed); None when no record names a build."""
     for r in records:
-        b = (r.get("teacher_targets") or {}).get("build") or {}
+        targets = r.get("teacher_targets") or {}
+        b = targets.get("build") or _built(targets.get("dir"))
         if b.get("teacher_tokens"):
             load = float(b.get("teacher_load_s", 0.0))
             return load, max(b["device_seconds"] - load * b["ranks"], 0.0) / b["teacher_tokens"]

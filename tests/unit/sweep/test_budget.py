@@ -299,11 +299,14 @@ READ = (LIVE_S - CACHED_S - 5.0) / ((30.0 - 5.0) / 10_000)  # the tokens a cache
 
 
 class Cached(Simulated):
-    """A search on the teacher cache (the first trial built it, if ``built``) whose confirmation seeds run live."""
+    """A search on the teacher cache whose confirmation seeds run live; the cache was built by its first trial
+    (``in_sweep``), before the sweep (``before``: its meta.json says what the build took) or nobody knows how."""
 
-    def __init__(self, clock: Clock, built: bool) -> None:
+    def __init__(self, clock: Clock, built: str, cache_dir: Path) -> None:
         super().__init__(clock, [("complete", CACHED_S)], confirm_s=LIVE_S)
-        self.built = built
+        self.built, self.cache_dir = built, cache_dir
+        cache_dir.mkdir(parents=True)
+        (cache_dir / "meta.json").write_text(json.dumps({"built": BUILD if built == "before" else None}))
 
     def poll(self, job):
         code = super().poll(job)
@@ -312,23 +315,24 @@ class Cached(Simulated):
         if code is not None:
             record["cost"]["teacher_tokens_read"] = READ if job["seconds"] == CACHED_S else 0.0
             first = job["run_dir"].endswith("/0")
-            record["teacher_targets"] = {"source": "cache", "build": BUILD if self.built and first else None}
+            record["teacher_targets"] = {"source": "cache", "dir": str(self.cache_dir),
+                                         "build": BUILD if self.built == "in_sweep" and first else None}
             path.write_text(json.dumps(record))
         return code
 
 
-@pytest.mark.parametrize("built", [True, False])
+@pytest.mark.parametrize("built", ["in_sweep", "before", "unknown"])
 def test_a_live_confirmation_after_a_cached_search_is_priced_by_the_build_or_a_probe(tmp_path, monkeypatch, built):
-    """Priced by the cached trials (50), the six live seeds (150 each) would overrun a budget of 1,200 by 600 at
-    once. With the cache build's measured teacher rate the search leaves them room and all six run; with no build to
-    read (a cache made before the sweep) the first seed runs alone as the probe and the budget cuts the rest."""
-    backend = Cached(Clock(), built)
+    """Priced by the cached trials (50), the six live seeds (150 each) got 2 of 6 run (the search spent the rest).
+    With the measured teacher rate of the cache's build (by a trial, or before the sweep) the search leaves them room
+    and all six run; with no build to read the first seed runs alone as the probe and the budget cuts the rest."""
+    backend = Cached(Clock(), built, tmp_path / "cache")
     manifest = timed_sweep(tmp_path, monkeypatch, backend, cached=True, n_trials=None, budget=1200 / 3600.0,
                            confirm={"top": 1, "seeds": 3, "baseline_trials": 0})
     seeds = [start for start in backend.started if start[2]]
     ended = manifest.data["confirmation"]["search_ended"]
     assert ended["priced_apart"] and spent(manifest) <= 1200 + LIVE_S, spent(manifest)
-    if built:
+    if built != "unknown":
         assert ended["seed_device_seconds"] == pytest.approx(LIVE_S) and len(seeds) == 6
         assert 1200 - LIVE_S <= spent(manifest)
         return
