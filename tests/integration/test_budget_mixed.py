@@ -14,7 +14,7 @@ from test_sweep import manifest, search
 
 pytestmark = pytest.mark.slow
 
-BUDGET_S = 100.0
+BUDGET_S = 70.0
 FAILING = 2  # the trial whose rank 0 raises after its third step
 
 
