@@ -302,7 +302,9 @@ def _shortfall(confirmation: dict[str, Any], trials: list[dict[str, Any]], tops:
     trials the budget left unstarted (``cut``), points none of whose seeds completed."""
     asked_top, notes = confirmation.get("asked_top", len(tops)), []
     if len(tops) < asked_top:
-        notes.append(f"the search completed {len(tops)} distinct point(s) of the {asked_top} asked for confirmation")
+        why = f" before {confirmation['search_ended_by']} ended it" if confirmation.get("search_ended_by") else ""
+        notes.append(f"the search completed {len(tops)} distinct point(s) of the {asked_top} asked for "
+                     f"confirmation{why}")
     started = _asked(trials)
     missing = [i for i in confirmation["items"] if (i["label"], i["seed"]) not in started]
     if missing:

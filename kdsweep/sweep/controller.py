@@ -101,6 +101,9 @@ class Controller:
             self.manifest.data["confirmation"] = confirm.plan(
                 self._search_trials(), self.confirm, self.settings.objectives, self.settings.directions,
                 self.distributions, self.settings.seed)
+            counted = len(self._search_trials()) >= self.settings.trial_limit  # else the budget's limits ended it
+            self.manifest.data["confirmation"]["search_ended_by"] = (
+                "hydra.sweeper.n_trials" if counted else "the budget (its confirmation's reserve included)")
             if self.budget.device_s is not None:  # what the search left, and what each confirmation trial should cost
                 self.manifest.data["confirmation"]["search_ended"] = {
                     "device_seconds_spent": self.budget.device_spent(),

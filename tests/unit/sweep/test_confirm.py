@@ -325,9 +325,9 @@ def test_a_point_asked_but_never_completed_and_trials_never_run_are_said_so():
     plan = {"objective": "student_ce", "index": 0, "direction": "minimize", "asked_top": 2,
             "points": [{"label": "top1", "params": {}}, {"label": "ce_only", "params": {}}],
             "items": [{"label": label, "seed": SEED_BASE + s} for label in ("top1", "ce_only") for s in range(3)],
-            "cut": "the device budget was spent"}
+            "cut": "the device budget was spent", "search_ended_by": "the budget (its confirmation's reserve included)"}
     trials = [{"state": "COMPLETE", "confirm": {"label": label, "seed": SEED_BASE + s}, "values": [4.5 + s / 100]}
               for label in ("top1", "ce_only") for s in range(2)]
     assert verdict(plan, trials, ("student_ce",))["line"].endswith(
-        "; the search completed 1 distinct point(s) of the 2 asked for confirmation; 4 of its 6 trials ran: the "
-        "device budget was spent before the rest")
+        "; the search completed 1 distinct point(s) of the 2 asked for confirmation before the budget (its "
+        "confirmation's reserve included) ended it; 4 of its 6 trials ran: the device budget was spent before the rest")
