@@ -325,9 +325,10 @@ def verdict(confirmation: dict[str, Any], trials: list[dict[str, Any]], objectiv
     on_eval: dict[str, dict[int, float]] = {p["label"]: {} for p in confirmation["points"]}
     done = [t for t in trials if (t.get("confirm") or {}).get("label") in by_label and t["state"] == "COMPLETE"]
     split = "test" if all(t.get("test") for t in done) else "eval"  # eval: a sweep planned before the test split
+    scored = "test" if split == "test" else "values"  # a trial's test-split objectives, or its eval split's
     for t in done:
         label, seed = t["confirm"]["label"], t["confirm"]["seed"]
-        by_label[label][seed] = t[split if split == "test" else "values"][index]
+        by_label[label][seed] = t[scored][index]
         on_eval[label][seed] = t["values"][index]
     rows = []
     for p in confirmation["points"]:
