@@ -336,13 +336,34 @@ class Budget:
         probe)."""
         if self.device_s is None:
             return True
-        now, price = time.time(), self.seed_trial()
-        running = [e for e in self.manifest.trials.values() if e.get("state") not in FINAL]
-        if seed and price is None:
+        now = time.time()
+        if seed and self.seed_trial() is None:
+            running = [e for e in self.manifest.trials.values() if e.get("state") not in FINAL]
             return not any(map(is_seed, running)) and self.device_spent(now) < self.device_s
-        each = lambda e: (price or 0.0) if is_seed(e) else (self.reserved_trial() or 0.0)
-        committed = sum(max(each(e) - self.trial_spent(e, now), 0.0) for e in running)
-        return self.device_spent(now) + committed < self.device_s
+        return self.device_spent(now) + self._reserved_committed(now) < self.device_s
+
+    def _reserved_committed(self, now: float) -> float:
+        """What the running trials will still spend, each priced as reserved: a confirmation seed's as
+        :meth:`seed_trial` says, any other's at :meth:`reserved_trial`."""
+        seed, mean = self.seed_trial() or 0.0, self.reserved_trial() or 0.0
+        running = [e for e in self.manifest.trials.values() if e.get("state") not in FINAL]
+        return sum(max((seed if is_seed(e) else mean) - self.trial_spent(e, now), 0.0) for e in running)
+
+    def allows_more(self, labels: list[str]) -> bool:
+        """Whether one more seed of each of these confirmed points fits: what is spent, what the running trials will
+        still spend (as :meth:`allows_reserved` counts them) and each new seed at its point's own seeds' mean cost
+        stay within the device budget (none may pass it: these are extra). False while a point has no finished seed."""
+        if self.device_s is None:
+            return False
+        prices = []
+        for label in labels:
+            ran = [e for e in self.manifest.trials.values() if is_seed(e) and e["confirm"]["label"] == label]
+            costs = self._full_costs(ran)
+            if not costs:
+                return False
+            prices.append(statistics.fmean(costs) + self._idle_share())
+        now = time.time()
+        return self.device_spent(now) + self._reserved_committed(now) + sum(prices) <= self.device_s
 
     def record(self) -> dict[str, Any]:
         """``sweep.json``'s ``budget``: the limits, what was spent, what is left."""

@@ -22,7 +22,8 @@ workers apply as to any trial), and the sweep's answer is the verdict on them.
 Its place in the sweep: :func:`plan` once no search trial runs and no more will start (the plan is written to
 ``sweep.json`` before any of its trials is asked, so a resumed controller continues the same plan);
 :func:`settle_baseline` once the CE-only learning-rate trials have ended; :func:`next_item` the next confirmation
-trial to ask; :func:`verdict` from the trials' results as recorded.
+trial to ask (seed by seed, CE-only right after top1: a budget that cuts the confirmation short leaves the best point
+and the baseline paired on the seeds that ran); :func:`verdict` from the trials' results as recorded.
 """
 
 from __future__ import annotations
@@ -63,6 +64,11 @@ class ConfirmSettings:
     baseline_trials: int = 4
     """CE-only trials over the searched learning-rate range before the confirmation (0, or no learning rate in the
     search space: CE-only runs at the best point's)."""
+    more_seeds: int = 3
+    """When the budget ended the search, what it leaves once every planned confirmation trial has started buys more
+    seeds of top1 and CE-only, a pair at a time while a pair fits (priced as their seeds ran), up to this many more
+    (0: none). The reserve prices CE-only as a KD trial (its real cost is known only once it ran), so without them a
+    sweep could end several CE-only trials' teacher work short of its budget."""
     lr_searched: bool = False
 
     @classmethod
@@ -70,11 +76,15 @@ class ConfirmSettings:
            searched: tuple[str, ...] = ()) -> "ConfirmSettings | None":
         if not raw or not raw.get("top"):  # top 0: no confirmation
             return None
-        unknown = set(raw) - {"top", "seeds", "objective", "baseline_trials"}
+        unknown = set(raw) - {"top", "seeds", "objective", "baseline_trials", "more_seeds"}
         if unknown:
             raise ConfigError(f"hydra.sweeper.confirm has unknown keys {sorted(unknown)}; use top, seeds, objective, "
-                              "baseline_trials")
+                              "baseline_trials, more_seeds")
         top, seeds, baseline = int(raw.get("top", 1)), int(raw.get("seeds", 3)), int(raw.get("baseline_trials", 4))
+        more = int(raw.get("more_seeds", 3))
+        if more < 0:
+            raise ConfigError(f"hydra.sweeper.confirm.more_seeds={more} must be >= 0 (0: no more seeds from what the "
+                              "budget leaves); pass hydra.sweeper.confirm.more_seeds=0")
         if top < 0 or seeds < 3:
             raise ConfigError(f"hydra.sweeper.confirm={dict(raw)}: top must be >= 1 (0: none) and seeds >= 3 (two "
                               "seeds give an interval 12.7 standard errors wide); pass hydra.sweeper.confirm.seeds=3")
@@ -91,7 +101,7 @@ class ConfirmSettings:
         if top > trial_limit:
             raise ConfigError(f"hydra.sweeper.confirm.top={top} is more than the sweep's {trial_limit:g} trials "
                               f"(hydra.sweeper.n_trials): lower top or raise n_trials")
-        return cls(top, seeds, objective, baseline, any(k in searched for k in LR_KEYS))
+        return cls(top, seeds, objective, baseline, more, any(k in searched for k in LR_KEYS))
 
     @property
     def baseline_search(self) -> int:
@@ -125,7 +135,7 @@ def plan(trials: list[dict[str, Any]], confirm: ConfirmSettings, objectives: tup
          ) -> dict[str, Any]:
     """The confirmation's points from the search's completed trials (the k best distinct points, best first, and the
     CE-only baseline), the CE-only learning-rate trials (log-uniform over the searched range, drawn from ``seed``)
-    and the items (one per point and seed, in the order they are asked)."""
+    and the items (one per point and seed, in the order they are asked: seed by seed, top1 then CE-only first)."""
     index = objectives.index(confirm.objective)
     direction = directions[index]
     done = [t for t in trials if t["state"] == "COMPLETE" and not t.get("confirm")]
@@ -155,8 +165,11 @@ def plan(trials: list[dict[str, Any]], confirm: ConfirmSettings, objectives: tup
         search = [{"label": f"{BASELINE_SEARCH}{i + 1}", "params": {**baseline["params"], lr_key: v}}
                   for i, v in enumerate(values)]
         out["baseline_search"] = {"key": lr_key, "range": [low, high], "points": search, "settled": None}
+    # seed by seed, CE-only right after top1: a confirmation the budget cuts short still pairs the best point with
+    # CE-only on the seeds that ran, instead of leaving the baseline, last in line, unrun
+    paired = [points[0], baseline, *points[1:-1]]
     out["items"] = ([{"label": p["label"], "seed": None} for p in search]
-                    + [{"label": p["label"], "seed": SEED_BASE + s} for p in points for s in range(confirm.seeds)])
+                    + [{"label": p["label"], "seed": SEED_BASE + s} for s in range(confirm.seeds) for p in paired])
     return out
 
 
@@ -166,7 +179,7 @@ def point_params(confirmation: dict[str, Any], label: str) -> dict[str, Any]:
     return next(p["params"] for p in [*confirmation["points"], *search] if p["label"] == label)
 
 
-def _pending(confirmation: dict[str, Any]) -> bool:
+def baseline_pending(confirmation: dict[str, Any]) -> bool:
     """Whether the CE-only learning rate is still being searched (its seeds wait for it)."""
     search = confirmation.get("baseline_search")
     return search is not None and search["settled"] is None
@@ -175,7 +188,7 @@ def _pending(confirmation: dict[str, Any]) -> bool:
 def settle_baseline(confirmation: dict[str, Any], trials: list[dict[str, Any]]) -> bool:
     """Once every CE-only learning-rate trial has ended: the baseline takes the best one's learning rate (by the
     search's objective; the best point's own when none completed). Returns whether the plan changed."""
-    if not _pending(confirmation):
+    if not baseline_pending(confirmation):
         return False
     search = confirmation["baseline_search"]
     labels = {p["label"] for p in search["points"]}
@@ -203,9 +216,22 @@ def next_item(confirmation: dict[str, Any], trials: list[dict[str, Any]]) -> dic
     """The first item of the plan no trial runs yet (None: every one was asked, or what is left waits for the CE-only
     learning rate)."""
     asked = _asked(trials)
-    waiting = _pending(confirmation)
+    waiting = baseline_pending(confirmation)
     return next((i for i in confirmation["items"] if (i["label"], i["seed"]) not in asked
                  and not (waiting and i["label"] == BASELINE)), None)
+
+
+def more_seeds(confirmation: dict[str, Any]) -> list[dict[str, Any]]:
+    """The next pair of items beyond the plan's seeds: top1's and CE-only's at the next seed."""
+    seeds = [i["seed"] for i in confirmation["items"] if i["seed"] is not None]
+    seed = max(seeds) + 1
+    return [{"label": confirmation["points"][0]["label"], "seed": seed}, {"label": BASELINE, "seed": seed}]
+
+
+def add_seeds(confirmation: dict[str, Any], pair: list[dict[str, Any]]) -> None:
+    """Append :func:`more_seeds`'s pair to the plan (``more_seeds`` counts them: the verdict says so)."""
+    confirmation["items"].extend(pair)
+    confirmation["more_seeds"] = confirmation.get("more_seeds", 0) + 1
 
 
 def _t(q: float, df: int) -> float:
@@ -348,8 +374,12 @@ def verdict(confirmation: dict[str, Any], trials: list[dict[str, Any]], objectiv
             f"{len(best['seeds'])} seeds; " + _judged(best["vs_ce_only"], "CE-only", direction))
     for r in tops[1:]:
         line += f"; {r['label']}: " + _judged(r["vs_best"], "top1", direction)
+    more = confirmation.get("more_seeds", 0)
+    if more:
+        line += f"; {more} more seed{'s' if more > 1 else ''} of top1 and CE-only from what the budget left"
     return {"points": rows, "best": best["label"], "line": f"{line}; {baseline_text(confirmation)}{short}"}
 
 
-__all__ = ["BASELINE", "BASELINE_SEARCH", "CE_ONLY", "ConfirmSettings", "SEED_BASE", "UNBIASED", "detectable", "holm",
-           "next_item", "plan", "point_params", "seeds_to_resolve", "settle_baseline", "verdict"]
+__all__ = ["BASELINE", "BASELINE_SEARCH", "CE_ONLY", "ConfirmSettings", "SEED_BASE", "UNBIASED", "add_seeds",
+           "baseline_pending", "detectable", "holm", "more_seeds", "next_item", "plan", "point_params",
+           "seeds_to_resolve", "settle_baseline", "verdict"]

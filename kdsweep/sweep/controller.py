@@ -117,7 +117,21 @@ class Controller:
         if confirm.settle_baseline(plan, trials):  # the CE-only learning-rate trials have ended: its seeds may start
             self.manifest.save()
             log.info("confirmation: %s", confirm.baseline_text(plan))
-        return confirm.next_item(plan, trials)
+        item = confirm.next_item(plan, trials)
+        if item is None and self._more_seeds(plan):
+            confirm.add_seeds(plan, confirm.more_seeds(plan))
+            self.manifest.save()
+            log.info("confirmation: the budget leaves room for one more seed of top1 and CE-only")
+            item = confirm.next_item(plan, trials)
+        return item
+
+    def _more_seeds(self, plan: dict[str, Any]) -> bool:
+        """Whether what a budget that ended the search leaves, once every planned confirmation trial has started,
+        buys one more seed of top1 and CE-only (``confirm.more_seeds`` at most)."""
+        if (plan.get("search_ended_by", "hydra.sweeper.n_trials") == "hydra.sweeper.n_trials"
+                or plan.get("more_seeds", 0) >= self.confirm.more_seeds or confirm.baseline_pending(plan)):
+            return False
+        return bool(plan["points"]) and self.budget.allows_more([i["label"] for i in confirm.more_seeds(plan)])
 
     def _note_cut(self) -> None:
         """The sweep ends with confirmation trials never asked: the budget left no room for them (the verdict says)."""

@@ -31,7 +31,7 @@ def test_a_budgeted_sweep_confirms_its_top_points_on_slurm_workers_through_a_con
     }, {"train": {"max_steps": 4, "eval_every": 4}, "data": {"test_fraction": 0.05}})
     cmd = [*args, *ONE_THREAD, "hydra/launcher=submitit_slurm", "cluster=local_cpu", "hydra.launcher.tasks_per_node=1",
            f"hydra.sweep.dir={sweep_dir}"]  # 1-rank workers: their first trials' start-up leaves the budget room
-    killed = kdsweep(*cmd, cwd=tmp_path, check=False, env_extra={"KDSWEEP_TEST_CRASH_AT": "after_launch:confirm4"})
+    killed = kdsweep(*cmd, cwd=tmp_path, check=False, env_extra={"KDSWEEP_TEST_CRASH_AT": "after_launch:confirm1"})
     assert killed.returncode == -9, killed.stdout[-2000:] + killed.stderr[-2000:]
     died = manifest(sweep_dir)
     assert "confirmation" in died and "verdict" not in died
@@ -45,20 +45,25 @@ def test_a_budgeted_sweep_confirms_its_top_points_on_slurm_workers_through_a_con
     assert len(search_trials) >= 2 and all(t["state"] == "COMPLETE" for t in trials)
     # each (point, seed) once through the kill, every seed in its run.json: all 2 × 3 + 3, unless the budget was
     # spent first (confirmation trials ask it too; the workers' idle time while no controller ran counts, so the
-    # last of them may not fit), which the verdict then says and the record shows
+    # last of them may not fit), which the verdict then says and the record shows. How many fit is the load's: the
+    # reserve is priced at the search trials' cost (checked below), and with the other test worker busy CI once saw
+    # confirmation trials take 3x that and 4 of the 9 run. The two launched before the kill always run: top1's and
+    # CE-only's first seeds (seed by seed, CE-only after top1), which start together as the search ends.
     keys = [(t["confirm"]["label"], t["confirm"]["seed"]) for t in confirmation]
     planned_keys = [(i["label"], i["seed"]) for i in data["confirmation"]["items"]]
-    assert len(keys) == len(set(keys)) and keys == planned_keys[:len(keys)] and len(planned_keys) == 2 * 3 + 3
-    if len(keys) < 9:
+    more = data["confirmation"].get("more_seeds", 0)  # pairs of top1 and CE-only seeds the budget left room for
+    assert len(keys) == len(set(keys)) and keys == planned_keys[:len(keys)]
+    assert len(planned_keys) == 2 * 3 + 3 + 2 * more
+    if len(keys) < len(planned_keys):
         assert data["verdict"]["line"].endswith(f"; {len(keys)} of its 9 trials ran: the device budget was spent "
-                                                "before the rest") and len(keys) >= 7
+                                                "before the rest") and len(keys) >= 2 and not more
         assert data["budget"]["device_seconds_spent"] >= BUDGET_S
     values: dict[str, dict[int, float]] = {}
     for t in confirmation:
         record = read_run(Path(t["run_dir"]))
         assert record["config"]["train"]["seed"] == t["confirm"]["seed"]
         values.setdefault(t["confirm"]["label"], {})[t["confirm"]["seed"]] = record["test_after"]["student_ce"]
-    assert sorted(values) == ["ce_only", "top1", "top2"]
+    assert {"top1", "ce_only"} <= set(values) and (len(keys) < 3 or sorted(values) == ["ce_only", "top1", "top2"])
     ce_only = next(p for p in data["confirmation"]["points"] if p["label"] == "ce_only")
     assert ce_only["params"]["kd_ratio"] == 0.0
     # the verdict's numbers are the run records'
@@ -77,10 +82,11 @@ def test_a_budgeted_sweep_confirms_its_top_points_on_slurm_workers_through_a_con
         diff, diff_half = interval(shared)
         assert rows[label]["vs_ce_only"]["mean"] == pytest.approx(diff, abs=1e-12)
         assert rows[label]["vs_ce_only"]["ci95"] == pytest.approx(diff_half, abs=1e-12)
-    assert verdict["best"] == "top1" and "over 3 seeds" in verdict["line"]  # the search's best, fixed beforehand
+    assert verdict["best"] == "top1" and f"over {len(values['top1'])} seeds" in verdict["line"]  # fixed beforehand
     assert study(sweep_dir, "answer").user_attrs["verdict"] == verdict["line"]
     status = kdsweep("status", str(sweep_dir), cwd=tmp_path).stdout
-    assert f"verdict: {verdict['line']}" in status and f"{len(keys)} of 9 confirmation trials" in status
+    assert f"verdict: {verdict['line']}" in status
+    assert f"{len(keys)} of {len(planned_keys)} confirmation trials" in status
     # the search stopped for the budget: what it had spent and the confirmation's 9 trials at the cost the trials so
     # far showed (the budget's reserve) come to the budget, give or take a few trials: the 2 trials in flight when
     # the last was asked may each cost more than expected on a loaded machine (seen: 2.4 trials over with the other

@@ -14,6 +14,7 @@ class ConfirmConf:
     seeds: int = 3
     objective: Optional[str] = None
     baseline_trials: int = 4  # CE-only trials over the searched lr range, for the baseline's own lr (0: the best's)
+    more_seeds: int = 3  # what a budget that ended the search leaves after them: this many more top1/CE-only seeds
 
 
 @dataclass

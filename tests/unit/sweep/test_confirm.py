@@ -200,12 +200,70 @@ def test_a_budget_reserves_the_confirmation_share(tmp_path):
     assert 200 <= manifest.data["budget"]["device_seconds_spent"] < 210
 
 
+class DearerConfirmation(Recorded):
+    """Confirmation trials cost 25 device-s where the search's cost 10 (a live teacher after a cheap search, or a
+    loaded machine): the reserve priced at the search's cost cannot pay for all 9."""
+
+    def poll(self, job):
+        super().poll(job)
+        if job["values"].get("train.eval_test") == "true":
+            record = json.loads((Path(job["run_dir"]) / "run.json").read_text())
+            record["cost"] = {"trial_seconds": 25.0, "device_seconds": 25.0}
+            (Path(job["run_dir"]) / "run.json").write_text(json.dumps(record))
+        return 0
+
+
+def test_a_confirmation_the_budget_cuts_short_still_pairs_the_best_point_with_ce_only(tmp_path):
+    manifest = sweep(tmp_path, DearerConfirmation(), n_trials=None, budget=200 / 3600.0)
+    confirmation = sorted((t for t in manifest.trials.values() if t.get("confirm")), key=lambda t: t["number"])
+    ran = [(t["confirm"]["label"], t["confirm"]["seed"] - SEED_BASE) for t in confirmation]
+    # seed by seed, CE-only right after top1; the budget stops it after 4 (11 × 10 + 4 × 25 = 210 ≥ 200)
+    assert ran == [("top1", 0), ("ce_only", 0), ("top2", 0), ("top1", 1)][:len(ran)] and len(ran) == 4
+    rows = {r["label"]: r for r in manifest.data["verdict"]["points"]}
+    assert rows["top1"]["seeds"] == [SEED_BASE, SEED_BASE + 1] and rows["ce_only"]["seeds"] == [SEED_BASE]
+    assert manifest.data["verdict"]["line"].endswith("; 4 of its 9 trials ran: the device budget was spent before "
+                                                     "the rest")
+
+
+class CheaperBaseline(Recorded):
+    """CE-only trials cost 4 device-s where a KD trial costs 10 (no teacher in training): the reserve, which prices
+    CE-only as KD before it ran, holds 18 device-s more than the confirmation spends."""
+
+    def poll(self, job):
+        super().poll(job)
+        if job["values"].get("loss.kd_ratio") == "0.0":
+            record = json.loads((Path(job["run_dir"]) / "run.json").read_text())
+            record["cost"] = {"trial_seconds": 4.0, "device_seconds": 4.0}
+            (Path(job["run_dir"]) / "run.json").write_text(json.dumps(record))
+        return 0
+
+
+@pytest.mark.parametrize("more", [0, 3])
+def test_what_the_budget_leaves_after_the_confirmation_buys_more_seeds_of_top1_and_ce_only(tmp_path, more):
+    confirm = {"top": 2, "seeds": 3, "more_seeds": more}
+    manifest = sweep(tmp_path, CheaperBaseline(), n_trials=None, budget=200 / 3600.0, confirm=confirm)
+    confirmation = sorted((t for t in manifest.trials.values() if t.get("confirm")), key=lambda t: t["number"])
+    ran = [(t["confirm"]["label"], t["confirm"]["seed"] - SEED_BASE) for t in confirmation]
+    spent, line = manifest.data["budget"]["device_seconds_spent"], manifest.data["verdict"]["line"]
+    # 11 search trials (110) and the 9 reserved at 10 each; the 9 spend 6 × 10 + 3 × 4 = 72: 18 left
+    assert ran[:9] == [(label, s) for s in range(3) for label in ("top1", "ce_only", "top2")]
+    if not more:  # what the reserve over-priced is left unspent: more than one full trial (10)
+        assert len(ran) == 9 and spent == pytest.approx(182) and "more seed" not in line
+        return
+    # one pair (10 + 4) fits the 18 left, a second does not: the sweep ends within one trial of its budget
+    assert ran[9:] == [("top1", 3), ("ce_only", 3)] and spent == pytest.approx(196)
+    rows = {r["label"]: r for r in manifest.data["verdict"]["points"]}
+    assert rows["top1"]["vs_ce_only"]["seeds"] == 4 and rows["top2"]["vs_best"]["seeds"] == 3
+    assert "over 4 seeds" in line and "; 1 more seed of top1 and CE-only from what the budget left; baseline:" in line
+
+
 @pytest.mark.parametrize("kw, message", [
     ({"objectives": ("student_ce", "kl"), "directions": ("minimize", "minimize")},
      "must name the one it ranks on: hydra.sweeper.confirm.objective=student_ce"),
     ({"confirm": {"top": 7, "seeds": 3}}, "hydra.sweeper.confirm.top=7 is more than the sweep's 6 trials"),
     ({"confirm": {"top": 2, "seeds": 2}}, "seeds >= 3 (two seeds give an interval 12.7 standard errors wide)"),
     ({"confirm": {"top": 2, "runs": 1}}, "hydra.sweeper.confirm has unknown keys ['runs']"),
+    ({"confirm": {"top": 2, "more_seeds": -1}}, "hydra.sweeper.confirm.more_seeds=-1 must be >= 0"),
 ])
 def test_bad_confirmation_settings_are_one_line(kw, message):
     with pytest.raises(ConfigError, match=None) as e:
