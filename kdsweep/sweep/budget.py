@@ -138,12 +138,21 @@ def is_seed(entry: dict[str, Any]) -> bool:
     return (entry.get("confirm") or {}).get("seed") is not None
 
 
+_BUILT: dict[Path, tuple[tuple[int, int], dict[str, Any]]] = {}  # meta.json -> ((mtime, size), its "built")
+
+
 def _built(cache_dir: str | None) -> dict[str, Any]:
-    """What a teacher cache's build measured (its ``meta.json``'s ``built``; empty when it cannot be read)."""
+    """What a teacher cache's build measured (its ``meta.json``'s ``built``; empty when it cannot be read), parsed
+    once per version of the file (the budget asks at every poll)."""
     if not cache_dir:
         return {}
+    path = Path(cache_dir) / "meta.json"
     try:
-        return json.loads((Path(cache_dir) / "meta.json").read_text()).get("built") or {}
+        stat = path.stat()
+        version = (stat.st_mtime_ns, stat.st_size)
+        if path not in _BUILT or _BUILT[path][0] != version:
+            _BUILT[path] = (version, json.loads(path.read_text()).get("built") or {})
+        return _BUILT[path][1]
     except (OSError, ValueError):
         return {}
 
