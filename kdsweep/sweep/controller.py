@@ -24,7 +24,7 @@ from kdsweep.sweep.judge import Outcome, judge
 from kdsweep.sweep.local import LocalProcesses
 from kdsweep.sweep.manifest import FINAL, STORAGE_ENV, Manifest, connect_url
 from kdsweep.sweep.space import Param
-from kdsweep.sweep.study import SweepSettings, make_pruner, make_sampler, make_storage
+from kdsweep.sweep.study import SweepSettings, default_storage, make_pruner, make_sampler, make_storage
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +57,15 @@ class Controller:
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # the controller logs what happens to each trial
         self.settings, self.space, self.base, self.sweep_dir, self.backend = settings, space, base_overrides, sweep_dir, backend
         sweep_dir.mkdir(parents=True, exist_ok=True)
+        chosen = None if settings.storage else default_storage(sweep_dir)  # SQLite, or a journal on a shared FS
         url = connect_url(settings, sweep_dir)  # a resumed command holds user:***@: the password from the env
         # unreachable: one line, before the sweep directory holds anything
         storage = make_storage(url, settings.storage_grace_s)
         self.manifest = Manifest.open(sweep_dir, settings, [p.describe() for p in space], base_overrides)
+        if chosen and "storage" not in self.manifest.data:  # what the default chose for this sweep, and why
+            self.manifest.data["storage"] = {"url": chosen[0], "why": chosen[1]}
+            self.manifest.save()
+            log.info("storage: %s (%s)", chosen[1], chosen[0])
         os.environ[STORAGE_ENV] = url  # jobs get the storage (and any password) from their environment only
         self.study = optuna.create_study(
             study_name=settings.study_name, storage=storage, load_if_exists=True,

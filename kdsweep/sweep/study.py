@@ -6,6 +6,7 @@ pruners are built from the plain settings saved in the sweep's manifest, never p
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -24,7 +25,13 @@ OBJECTIVES = ("student_ce", "kl", "teacher_ce")
 DIRECTIONS = ("minimize", "maximize")
 WORKER_SHAPE = ("dist.nproc_per_node", "train.device")
 """What a warm worker is made of: a trial cannot change it (kdsweep.worker.WorkerSession.joined)."""
-NFS_TYPES = ("nfs", "nfs4", "cifs", "smb3", "lustre", "gpfs", "beegfs")
+NFS_TYPES = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph", "fuse.ceph", "glusterfs",
+             "fuse.glusterfs", "panfs", "wekafs", "afs")
+"""Shared (network or cluster) filesystems: SQLite's locks are unsafe there (a sweep's jobs on other nodes write the
+study), so a sweep directory on one gets a journal file by default (:func:`default_storage`)."""
+MOUNTS_ENV = "KDSWEEP_MOUNTS"
+"""The mounts table a filesystem's type is read from (default ``/proc/mounts``): for a test, or a node whose table
+does not show the type its jobs see."""
 
 
 def _check(ok: bool, message: str) -> None:
@@ -38,8 +45,9 @@ class SweepSettings:
 
     study_name: str = "kdsweep"
     storage: str | None = None
-    """None: a SQLite file in the sweep directory. ``journal:///abs/path.log``: a journal file. Else an
-    SQLAlchemy URL (``postgresql+psycopg2://user@host/db``; put passwords in PGPASSWORD, not the URL)."""
+    """None: in the sweep directory, SQLite, or a journal file on a shared filesystem (:func:`default_storage`).
+    ``journal:///abs/path.log``: a journal file. Else an SQLAlchemy URL (``postgresql+psycopg2://user@host/db``; put
+    passwords in PGPASSWORD, not the URL)."""
     n_trials: int | None = None
     """The most trials the sweep asks for; None: 8, or as many as ``budget`` / ``wall_hours`` pay for when set."""
     budget: float | None = None
@@ -208,10 +216,13 @@ def redact(url: str | None) -> str | None:
 
 
 def _filesystem_type(path: Path) -> str:
-    """The type of the filesystem holding ``path`` (longest mount point that contains it)."""
+    """The type of the filesystem holding ``path`` (longest mount point that contains it; ``path`` or the nearest
+    of its parents that exists)."""
     path = path.resolve()
+    while not path.exists() and path != path.parent:
+        path = path.parent
     best, kind = "", ""
-    for line in Path("/proc/mounts").read_text().splitlines():
+    for line in Path(os.environ.get(MOUNTS_ENV) or "/proc/mounts").read_text().splitlines():
         parts = line.split()
         inside = str(path) == parts[1] or str(path).startswith(parts[1].rstrip("/") + "/") if len(parts) >= 3 else False
         if inside and len(parts[1]) > len(best):
@@ -219,9 +230,25 @@ def _filesystem_type(path: Path) -> str:
     return kind
 
 
+def default_storage(sweep_dir: Path) -> tuple[str, str]:
+    """The storage of a sweep that names none, and why: the one its directory already holds (a resumed sweep, the
+    dashboard), else on a shared filesystem (:data:`NFS_TYPES`) a journal file, whose lock (a hard link, Optuna's
+    default) is atomic on NFS where SQLite's are not, else SQLite."""
+    sweep_dir = sweep_dir.resolve()
+    db, journal = sweep_dir / "optuna.db", sweep_dir / "optuna.journal"
+    if journal.exists() or db.exists():
+        return (f"journal://{journal}", "a journal file (the sweep's own)") if journal.exists() else (
+            f"sqlite:///{db}", "SQLite (the sweep's own)")
+    fs = _filesystem_type(sweep_dir)
+    if fs in NFS_TYPES:
+        why = f"a journal file: the sweep directory is on {fs}, where SQLite's locks are unsafe"
+        return f"journal://{journal}", why
+    return f"sqlite:///{db}", f"SQLite: the sweep directory is on {fs or 'a local disk'}"
+
+
 def storage_url(settings: SweepSettings, sweep_dir: Path) -> str:
     """The storage a sweep uses, as a string that the jobs can rebuild it from."""
-    return settings.storage or f"sqlite:///{(sweep_dir / 'optuna.db').resolve()}"
+    return settings.storage or default_storage(sweep_dir)[0]
 
 
 def make_storage(url: str, grace_s: float = 300.0) -> Any:
@@ -237,7 +264,7 @@ def make_storage(url: str, grace_s: float = 300.0) -> Any:
         return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
     if url.startswith("sqlite:///"):
         path = Path(url[len("sqlite:///"):])
-        fs = _filesystem_type(path.parent if path.parent.exists() else Path.cwd())
+        fs = _filesystem_type(path.parent)
         if fs in NFS_TYPES:
             raise ConfigError(
                 f"hydra.sweeper.storage={url} is a SQLite file on {fs}, which corrupts under parallel writers; "

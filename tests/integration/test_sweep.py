@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import optuna
@@ -115,15 +116,19 @@ def resumed(tmp_path_factory, zoo_dirs):
     """A 4-trial sweep of one job per trial (workers=0; test_workers kills one with busy workers) whose controller
     was killed (kill -9) once a trial had completed while another ran, then
     resumed (`kdsweep resume`): what the manifest held then, and the resume's run. The changed-space test below
-    reruns its command too."""
+    reruns its command too. Its directory is on what the mounts table (KDSWEEP_MOUNTS: this machine's, and one line
+    more) says is an NFS mount, so the sweep's default storage is a journal file."""
     tmp_path = tmp_path_factory.mktemp("resume")
     sweep_dir = tmp_path / "sweep"
+    mounts = tmp_path / "mounts"
+    mounts.write_text(Path("/proc/mounts").read_text() + f"server:/export/kd {tmp_path} nfs4 rw,relatime 0 0\n")
+    env = {**os.environ, "KDSWEEP_MOUNTS": str(mounts)}
     args = search(tmp_path, "resume", {
         "n_trials": 4, "max_concurrent": 2, "workers": 0, "sampler": "tpe", "seed": 3, "pruner": "none",
         "params": {"kd_ratio": "interval(0.0,1.0)"},
     }, {"train": {"eval_every": 4, "max_steps": 8}})
     cmd = [sys.executable, "-m", "kdsweep", *args, f"hydra.sweep.dir={sweep_dir}"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     deadline = time.time() + 300
     while True:
         assert time.time() < deadline and proc.poll() is None, "no trial finished in time"
@@ -138,7 +143,7 @@ def resumed(tmp_path_factory, zoo_dirs):
     running = {n: t["job"]["pid"] for n, t in manifest(sweep_dir)["trials"].items() if t["state"] == "RUNNING"}
 
     out = subprocess.run([sys.executable, "-m", "kdsweep", "resume", str(sweep_dir)], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=600, env=env)
     return SimpleNamespace(tmp_path=tmp_path, sweep_dir=sweep_dir, args=args, before=before, running=running, out=out)
 
 
@@ -154,7 +159,15 @@ def test_resume_after_kill_9_of_the_controller(resumed):
         assert after[n]["job"]["pid"] == pid and after[n]["attempts"] == 1
     points = [tuple(sorted(t["params"].items())) for t in after.values()]
     assert len(set(points)) == len(points)  # the resumed sampler proposed no old point again
-    trials = study(sweep_dir, "resume").trials
+    # the default storage on a shared filesystem: a journal file, recorded with why
+    assert manifest(sweep_dir)["storage"] == {
+        "url": f"journal://{sweep_dir / 'optuna.journal'}",
+        "why": "a journal file: the sweep directory is on nfs4, where SQLite's locks are unsafe"}
+    assert not (sweep_dir / "optuna.db").exists()
+    from optuna.storages.journal import JournalFileBackend
+
+    journal = optuna.storages.JournalStorage(JournalFileBackend(str(sweep_dir / "optuna.journal")))
+    trials = optuna.load_study(study_name="resume", storage=journal).trials
     assert len(trials) == 4 and [t.number for t in trials] == [0, 1, 2, 3]
     status = subprocess.run([sys.executable, "-m", "kdsweep", "status", str(sweep_dir)], capture_output=True, text=True)
     assert status.returncode == 0 and status.stdout.count("COMPLETE") == 4 and "<- best" in status.stdout

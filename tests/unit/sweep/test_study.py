@@ -74,6 +74,31 @@ def test_sqlite_on_nfs_is_refused(tmp_path, monkeypatch):
         S.make_storage(f"sqlite:///{tmp_path / 'x.db'}")
 
 
+def test_the_default_storage_is_sqlite_on_a_local_disk_and_a_journal_file_on_a_shared_filesystem(tmp_path,
+                                                                                                   monkeypatch):
+    shared, local = tmp_path / "lustre", tmp_path / "lustre" / "scratch"
+    local.mkdir(parents=True)
+    mounts = tmp_path / "mounts"  # as /proc/mounts writes them; the longest mount point holding a path is its own
+    mounts.write_text(f"/dev/vda1 / ext4 rw,relatime 0 0\n10.0.0.5@tcp:/fs {shared} lustre rw,flock 0 0\n"
+                      f"/dev/nvme0n1 {local} xfs rw 0 0\n")
+    monkeypatch.setenv(S.MOUNTS_ENV, str(mounts))
+    sweep = shared / "runs" / "sweep1"  # not made yet: the nearest directory that exists tells
+    assert S.default_storage(sweep) == (f"journal://{sweep / 'optuna.journal'}", "a journal file: the sweep "
+                                        "directory is on lustre, where SQLite's locks are unsafe")
+    assert S.default_storage(local / "sweep") == (f"sqlite:///{local / 'sweep' / 'optuna.db'}",
+                                                  "SQLite: the sweep directory is on xfs")
+    assert S.storage_url(S.SweepSettings(), sweep).startswith("journal:///")
+    url = "postgresql+psycopg2://kd@db/x"  # a storage the sweep names is its storage
+    assert S.storage_url(S.SweepSettings(storage=url), sweep) == url
+    # a sweep's directory that already holds a study keeps it (a resume, the dashboard), whatever the mount says now
+    (local / "old").mkdir()
+    (local / "old" / "optuna.journal").write_text("")
+    assert S.default_storage(local / "old")[0] == f"journal://{local / 'old' / 'optuna.journal'}"
+    sweep.mkdir(parents=True)
+    (sweep / "optuna.db").write_text("")
+    assert S.default_storage(sweep) == (f"sqlite:///{sweep / 'optuna.db'}", "SQLite (the sweep's own)")
+
+
 def test_unreachable_storage_is_one_line_without_the_password(tmp_path):
     with pytest.raises(ConfigError) as e:
         S.make_storage("sqlite:////no/such/dir/x.db")
