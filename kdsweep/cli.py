@@ -5,6 +5,8 @@
     kdsweep logs <sweep dir> <trial> [--rank N]   a trial's log (its job's output, or rank N's own log)
     kdsweep dashboard <sweep dir> [--host H] [--port P]   the study in optuna-dashboard (a database password:
                                    set KDSWEEP_STORAGE_URL to the full URL)
+    kdsweep export <sweep or run dir> [--best | --trial N | --confirmed] [--out DIR]   the trained student as one
+                                   ships it: merged model and tokenizer, adapter, model card
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-SUBCOMMANDS = ("status", "resume", "logs", "dashboard")
+SUBCOMMANDS = ("status", "resume", "logs", "dashboard", "export")
 
 
 def _sweep_dir(args: list[str], command: str) -> Path:
@@ -37,7 +39,7 @@ def status(args: list[str]) -> None:
     plan = manifest.data.get("confirmation")
     confirmed = f", {confirming} of {len(plan['items'])} confirmation trials" if plan else ""
     print(f"sweep {manifest.path.parent} (study {manifest.data['study_name']}, {search}{limit} search trials"
-          f"{confirmed}, storage {settings.storage or 'sqlite in the sweep dir'})")
+          f"{confirmed}, storage {settings.storage or (manifest.data.get('storage') or {}).get('why', 'SQLite')})")
     print("\n".join([*summary_lines(manifest), *worker_lines(manifest.path.parent), *cost_lines(sweep_cost(manifest)),
                      *budget_lines(manifest), *cache_lines(manifest)]))
 
@@ -95,13 +97,32 @@ def dashboard(args: list[str]) -> None:
     serve(ns.sweep_dir.resolve(), ns.host, ns.port)
 
 
+def export(args: list[str]) -> None:
+    import argparse
+
+    from kdsweep.checkpoint.package import export_runs
+
+    parser = argparse.ArgumentParser(prog="kdsweep export", description="Export a finished run's student: the merged "
+                                     "model with its tokenizer, the adapter, and a model card.")
+    parser.add_argument("path", type=Path, help="a sweep directory (sweep.json) or a run directory (run.json)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--best", action="store_true", help="the sweep's best (the point its verdict reports; default)")
+    which.add_argument("--trial", type=int, default=None, help="the sweep's trial N")
+    which.add_argument("--confirmed", action="store_true", help="every seed of the sweep's confirmed point")
+    parser.add_argument("--out", type=Path, default=None, help="where (default: <path>/export/<name>)")
+    ns = parser.parse_args(args)
+    for target in export_runs(ns.path.resolve(), ns.out, ns.trial, ns.confirmed):
+        print(f"{target}: merged/ (AutoModelForCausalLM, AutoTokenizer), README.md", flush=True)
+
+
 def main() -> None:
     args = sys.argv[1:]
     if args and args[0] in SUBCOMMANDS:
         from kdsweep.config.schema import ConfigError
 
         try:
-            {"status": status, "resume": resume, "logs": logs, "dashboard": dashboard}[args[0]](args[1:])
+            {"status": status, "resume": resume, "logs": logs, "dashboard": dashboard, "export": export}[args[0]](
+                args[1:])
         except ConfigError as e:
             print(f"kdsweep: error: {e}", file=sys.stderr)
             raise SystemExit(2) from None

@@ -106,6 +106,43 @@ def test_adapter_and_merged_model_load_and_match_the_trained_student(smoke_run, 
     assert objective < read_run(run_dir)["eval_before"]["student_ce"]
 
 
+def test_export_merges_a_run_s_adapter_into_a_model_plain_transformers_loads_as_the_trained_student(
+        background, zoo_dirs, tmp_path):
+    """`kdsweep export` of the multirun's kd_ratio=0.5 job (which kept its adapter only): the merged model and its
+    tokenizer load with plain transformers and give the trained student's logits (the base with the run's adapter,
+    through peft) on the held-out rows, and reproduce the CE the run measured; the card says how it was made."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kdsweep.data.text import embedded_corpus, tokenize_to_sequences
+
+    sweep, proc = background["multirun"]
+    assert proc.result().returncode == 0
+    run_dir = sweep / "1"
+    assert not (run_dir / "final" / "merged").exists()
+    out = kdsweep("export", str(run_dir), "--out", str(tmp_path / "shipped"), cwd=tmp_path)
+    shipped = tmp_path / "shipped" / "1"
+    assert f"{shipped}: merged/" in out.stdout
+    model = AutoModelForCausalLM.from_pretrained(shipped / "merged").eval()
+    tokenizer = AutoTokenizer.from_pretrained(shipped / "merged")
+    seqs = tokenize_to_sequences(tokenizer, embedded_corpus(0.05, 1234).eval, 128)
+    trained = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(zoo_dirs["student"]),
+                                        run_dir / "final" / "adapter").eval()
+    with torch.no_grad():
+        merged_logits, trained_logits = (m(input_ids=seqs[:, :-1]).logits for m in (model, trained))
+    assert (merged_logits - trained_logits).abs().max().item() < 1e-5
+    ce = torch.nn.functional.cross_entropy(merged_logits.reshape(-1, merged_logits.shape[-1]), seqs[:, 1:].reshape(-1))
+    record = read_run(run_dir)
+    assert ce.item() == pytest.approx(record["objective"], abs=1e-5)
+    assert (shipped / "adapter" / "adapter_model.safetensors").exists() and (shipped / "adapter" / "tokenizer.json").exists()
+    card = (shipped / "README.md").read_text()
+    assert "kd_ratio 0.5," in card and f"base student: `{zoo_dirs['student']}`" in card
+    assert f"student CE {record['objective']:.4g}" in card
+    bad = kdsweep("export", str(sweep), cwd=tmp_path, check=False)  # a multirun directory: no sweep.json, no run.json
+    assert bad.returncode == 2 and bad.stderr.strip().endswith(
+        "holds neither sweep.json nor run.json: pass a sweep directory or a run directory")
+
+
 def test_multirun_over_kd_ratio_runs_three_jobs(background):
     sweep, proc = background["multirun"]
     proc = proc.result()
