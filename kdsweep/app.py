@@ -299,11 +299,18 @@ def _check_command_line(args: list[str]) -> None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
+    from hydra_plugins.kdsweep_site import CONFIG_DIR_ENV
+
+    site = os.environ.get(CONFIG_DIR_ENV)
+    if site and not Path(site).expanduser().is_dir():
+        fail(f"{CONFIG_DIR_ENV}={site} is not a directory: set it to the directory of your own presets (e.g. one "
+             "holding cluster/mysite.yaml), or unset it", None)
     try:
         overrides = OverridesParser.create().parse_overrides(get_args_parser().parse_known_args(args)[0].overrides)
     except (HydraException, SystemExit):
         return  # malformed syntax: Hydra's own message says where
-    groups = tuple(sorted(p.name for p in Path(conf_dir()).iterdir() if p.is_dir() and p.name != "hydra"))
+    roots = [Path(conf_dir()), *([Path(site).expanduser()] if site else [])]
+    groups = tuple(sorted({p.name for root in roots for p in root.iterdir() if p.is_dir() and p.name != "hydra"}))
     chosen = {o.key_or_group: o.value() for o in overrides}
     preset = None if "experiment" in chosen else chosen.get("data", "embedded")  # an experiment picks its own
     for o in overrides:

@@ -11,7 +11,8 @@ Formats (``FormatSpec.kind``):
 * ``instruction`` (alpaca-style): the prompt is rendered with :data:`INSTRUCTION_TEMPLATE` (or
   :data:`INSTRUCTION_TEMPLATE_NO_INPUT` when the input is empty); the response ``row[output_column]`` + EOS is
   trained on, the prompt masked. Prompt and response are tokenized separately, so the boundary is exact.
-* ``chat``: ``row[messages_column]`` is a list of ``{"role", "content"}`` messages (an assistant message may also
+* ``chat``: ``row[messages_column]`` is a list of ``{"role", "content"}`` messages, or ShareGPT's ``{"from",
+  "value"}`` (``human``, ``gpt``, …: :data:`SHAREGPT_ROLES`; an assistant message may also
   carry ``reasoning_content``) rendered by the tokenizer's own chat template (or ``FormatSpec.chat_template``), as
   the family ships it. Assistant turns are trained on, everything else masked. Each turn is located in the
   rendering of the whole conversation (:mod:`kdsweep.data.chat`): from where generation starts to its end-of-turn
@@ -50,7 +51,8 @@ class FormatSpec:
     instruction_column: str = "instruction"
     """Column of an ``instruction`` row's instruction."""
     input_column: str | None = "input"
-    """Column of an ``instruction`` row's optional input; ``None`` when the dataset has none."""
+    """Column of an ``instruction`` row's optional input; ``None`` when the dataset has none (a row without the
+    default ``input`` column has none either; a column named otherwise must be there)."""
     output_column: str = "output"
     """Column of an ``instruction`` row's response."""
     messages_column: str = "messages"
@@ -158,12 +160,19 @@ def _column(row: Mapping[str, Any], column: str | None, field: str, where: str) 
 
 def _instruction(row: Mapping[str, Any], spec: FormatSpec, where: str) -> list[tuple[str, bool]]:
     instruction = _column(row, spec.instruction_column, f"{spec.source}.instruction_column", where)
-    given = "" if spec.input_column is None else _column(row, spec.input_column, f"{spec.source}.input_column", where)
+    absent = spec.input_column is None or (spec.input_column == "input" and "input" not in row)  # the default's
+    given = "" if absent else _column(row, spec.input_column, f"{spec.source}.input_column", where)
     if given.strip():
         prompt = INSTRUCTION_TEMPLATE.format(instruction=instruction, input=given)
     else:
         prompt = INSTRUCTION_TEMPLATE_NO_INPUT.format(instruction=instruction)
     return [(prompt, False), (_column(row, spec.output_column, f"{spec.source}.output_column", where), True)]
+
+
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "tool": "tool", "function_call": "assistant", "observation": "tool"}
+"""ShareGPT's ``from`` names and the roles a chat template knows them by (``function_call``/``observation``: the
+tool-calling variant's assistant call and the tool's answer)."""
 
 
 def _special(tokenizer: Any, name: str, fix: str) -> int:
@@ -173,18 +182,33 @@ def _special(tokenizer: Any, name: str, fix: str) -> int:
     return token_id
 
 
+def _sharegpt(m: Mapping[str, Any], i: int, where: str) -> Mapping[str, Any]:
+    """A ShareGPT message (``{"from": "human" | "gpt" | …, "value": …}``) as ``{"role", "content"}``
+    (:data:`SHAREGPT_ROLES`); any other message as it is."""
+    if not (isinstance(m, Mapping) and "from" in m and "value" in m and "role" not in m):
+        return m
+    if m["from"] not in SHAREGPT_ROLES:
+        raise ConfigError(f"{where}: message {i} is from {m['from']!r}, which is not one of ShareGPT's roles "
+                          f"({', '.join(SHAREGPT_ROLES)}); fix the row or write it as {{'role', 'content'}}")
+    rest = {k: v for k, v in m.items() if k not in ("from", "value")}
+    return {**rest, "role": SHAREGPT_ROLES[m["from"]], "content": m["value"]}
+
+
 def _messages(row: Mapping[str, Any], spec: FormatSpec, where: str) -> list[dict[str, str]]:
     messages = row.get(spec.messages_column)
     if not isinstance(messages, (list, tuple)) or not messages:
         got = "nothing" if messages is None else f"{type(messages).__name__} {str(messages)[:40]!r}"
+        other = next((c for c in ("conversations", "messages") if c != spec.messages_column and c in row), None)
+        fix = f"set {spec.source}.messages_column" + (f"={other} (the row has it)" if other else "")
         raise ConfigError(
             f"{where}: a chat row needs a non-empty list of messages in column {spec.messages_column!r}, got {got}; "
-            f"fix the row or set {spec.source}.messages_column"
+            f"fix the row or {fix}"
         )
+    messages = [_sharegpt(m, i, where) for i, m in enumerate(messages)]
     for i, m in enumerate(messages):
         if not (isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            raise ConfigError(f"{where}: message {i} is {str(m)[:60]!r}, not {{'role': str, 'content': str}}; "
-                              "fix the row")
+            raise ConfigError(f"{where}: message {i} is {str(m)[:60]!r}, not {{'role': str, 'content': str}} (or "
+                              "ShareGPT's {'from': str, 'value': str}); fix the row")
     return [dict(m) for m in messages]
 
 

@@ -146,3 +146,9 @@ def test_every_data_field_can_be_set_on_the_command_line(option):
                "chat": {"messages_column"}}
     for ds in cfg.data.datasets:
         assert {"path", "format", "weight", "split"} | columns[ds.format] <= set(ds.keys())
+
+
+def test_the_gpu_cluster_preset_brings_its_gpu_dist_and_a_dist_on_the_command_line_still_wins():
+    gpu = convert(["cluster=gpu_node"])
+    assert gpu.train.dtype == "bf16" and gpu.dist.activation_checkpointing
+    assert convert(["cluster=gpu_node", "dist=single"]).train.dtype == "fp32"

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -40,24 +41,46 @@ def array_job_of(sweep_dir) -> str:
     return job
 
 
+def job_comments(array_job: str) -> set[str]:
+    """The sbatch --comment of every task of an array job, as slurmctld holds it."""
+    out = subprocess.run(["scontrol", "show", "job", array_job], capture_output=True, text=True, check=True).stdout
+    return set(re.findall(r"Comment=(\S+)", out))
+
+
 @pytest.fixture(scope="module")
-def failing_grid(tmp_path_factory):
+def site(tmp_path_factory) -> dict[str, str]:
+    """A site's own presets (KDSWEEP_CONFIG_DIR): ``cluster/site_cpu.yaml`` under a new name and a
+    ``cluster/local_cpu.yaml`` that shadows the shipped one, each the shipped local_cpu with a comment of its own
+    (which the jobs' records show, so that which preset took effect is seen on the cluster)."""
+    root = tmp_path_factory.mktemp("site")
+    shipped = (Path(__file__).resolve().parents[2] / "conf" / "cluster" / "local_cpu.yaml").read_text()
+    assert "  launcher:\n" in shipped
+    (root / "cluster").mkdir()
+    for name in ("site_cpu", "local_cpu"):
+        preset = shipped.replace("  launcher:\n", f"  launcher:\n    comment: kdsweep-site-{name}\n")
+        (root / "cluster" / f"{name}.yaml").write_text(preset)
+    return {"KDSWEEP_CONFIG_DIR": str(root)}
+
+
+@pytest.fixture(scope="module")
+def failing_grid(tmp_path_factory, site):
     """The grid of test_a_failing_job_shows_failed, started in the background when a test first asks: (its sweep
     directory, the future of its finished process). Its job fails at once, but its launcher learns it only from
     sacct (polled ever less often) and then waits 15 s more for the result file that a job leaving with SystemExit
-    never writes: the grid test asks first and the preemption test comes next, so these waits overlap their jobs."""
+    never writes: the grid test asks first and the preemption test comes next, so these waits overlap their jobs.
+    Its cluster=local_cpu is the site's own, which shadows the shipped preset."""
     root = tmp_path_factory.mktemp("failing")
     sweep = root / "sweep"
     with ThreadPoolExecutor(1) as pool:
         yield sweep, pool.submit(kdsweep, "-m", "kd_ratio=0.5", *SLURM, "train.device=cuda", *QUIET,
-                                 f"hydra.sweep.dir={sweep}", cwd=root, check=False)
+                                 f"hydra.sweep.dir={sweep}", cwd=root, check=False, env_extra=site)
 
 
 @pytest.mark.usefixtures("failing_grid")
-def test_grid_runs_one_two_rank_fsdp_job_per_point(tmp_path, tmp_path_factory, zoo_dirs):
-    sweep = tmp_path / "sweep"
-    proc = kdsweep("-m", "kd_ratio=0.3,0.5,0.7", *SLURM, "train=smoke", *ONE_THREAD, *QUIET, f"hydra.sweep.dir={sweep}",
-                   cwd=tmp_path)
+def test_grid_runs_one_two_rank_fsdp_job_per_point(tmp_path, tmp_path_factory, zoo_dirs, site):
+    sweep = tmp_path / "sweep"  # on the site's own preset of a new name (KDSWEEP_CONFIG_DIR), the shipped one's copy
+    proc = kdsweep("-m", "kd_ratio=0.3,0.5,0.7", "hydra/launcher=submitit_slurm", "cluster=site_cpu", "train=smoke",
+                   *ONE_THREAD, *QUIET, f"hydra.sweep.dir={sweep}", cwd=tmp_path, env_extra=site)
     table = re.findall(r"job (\d): objective ([\d.]+)\s+completed\s+ranks 2 slurm (\S+)", proc.stdout)
     assert [j for j, _, _ in table] == ["0", "1", "2"], proc.stdout
     records = [read_run(sweep / str(i)) for i in range(3)]
@@ -69,6 +92,7 @@ def test_grid_runs_one_two_rank_fsdp_job_per_point(tmp_path, tmp_path_factory, z
     array_job = array_job_of(sweep)
     states = wait_for_states(array_job, {"COMPLETED"})
     assert sorted(states) == [f"{array_job}_{i}" for i in range(3)] and set(states.values()) == {"COMPLETED"}, states
+    assert job_comments(array_job) == {"kdsweep-site-site_cpu"}  # the site's preset took effect on the cluster
 
     # the SLURM 2-rank result is the local 1-rank result of the same point (train=smoke at the default
     # kd_ratio=0.5: the smoke run test_cli_run checks, made once per session)
@@ -118,3 +142,4 @@ def test_a_failing_job_shows_failed(failing_grid):
     assert "train.device=cuda but no CUDA device" in proc.stdout + proc.stderr  # the job's one line reaches the user
     states = wait_for_states(array_job_of(sweep), {"FAILED", "COMPLETED"})
     assert set(states.values()) == {"FAILED"}, states
+    assert job_comments(array_job_of(sweep)) == {"kdsweep-site-local_cpu"}  # the site's shadow, not the shipped

@@ -102,6 +102,20 @@ def test_chat_keeps_assistant_turns_only(tok):
     assert everything.labels == everything.input_ids[1:] + [tok.eos_token_id]
 
 
+def test_sharegpt_rows_read_as_the_same_conversation(tok):
+    """ShareGPT's {from, value} (human, gpt, system) render and mask exactly as {role, content}; an instruction row
+    without the default input column has no input."""
+    roles = {"system": "system", "user": "human", "assistant": "gpt"}
+    messages = [{"role": "system", "content": "the cat"}, {"role": "user", "content": "sat on"},
+                {"role": "assistant", "content": "a mat"}]
+    shared = [{"from": roles[m["role"]], "value": m["content"]} for m in messages]
+    spec = FormatSpec(kind="chat", messages_column="conversations")
+    assert render({"conversations": shared}, spec, tok) == render({"messages": messages}, FormatSpec(kind="chat"), tok)
+    no_input = render({"instruction": "the cat", "output": "sat"}, FormatSpec(kind="instruction"), tok)
+    empty = render({"instruction": "the cat", "input": "", "output": "sat"}, FormatSpec(kind="instruction"), tok)
+    assert no_input == empty
+
+
 def test_chat_with_an_assistant_first_turn_and_an_explicit_template(tok):
     template = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"  # no generation prompt
     row = {"messages": [{"role": "assistant", "content": "the cat"}]}
@@ -174,7 +188,8 @@ def test_unknown_format_is_one_line():
          r"^rows\.jsonl row 4: no column 'text' \(columns: prompt\); set data\.datasets\[2\]\.text_column"),
         ({"instruction": "a", "input": "", "response": "b"}, FormatSpec(kind="instruction"),
          r"no column 'output' \(columns: instruction, input, response\); set data\.datasets\[i\]\.output_column"),
-        ({"instruction": "a", "output": "b"}, FormatSpec(kind="instruction"), r"no column 'input'.*set data\.datasets\[i\]\.input_column"),
+        ({"instruction": "a", "output": "b"}, FormatSpec(kind="instruction", input_column="context"),
+         r"no column 'context'.*set data\.datasets\[i\]\.input_column"),
         ({"text": 3}, FormatSpec(kind="text"), r"column 'text' holds int, not text"),
         ({"text": "x"}, FormatSpec(kind="chat"),
          r"^rows\.jsonl row 4: a chat row needs a non-empty list of messages in column 'messages', got nothing"),
@@ -182,6 +197,11 @@ def test_unknown_format_is_one_line():
         ({"messages": "hi"}, FormatSpec(kind="chat"), r"needs a non-empty list of messages .*got str 'hi'"),
         ({"messages": [{"role": "user"}]}, FormatSpec(kind="chat"),
          r"message 0 is .* not \{'role': str, 'content': str\}"),
+        ({"conversations": [{"from": "human", "value": "x"}]}, FormatSpec(kind="chat"),
+         r"column 'messages', got nothing; fix the row or set data\.datasets\[i\]\.messages_column=conversations "
+         r"\(the row has it\)$"),
+        ({"messages": [{"from": "bot", "value": "x"}]}, FormatSpec(kind="chat"),
+         r"message 0 is from 'bot', which is not one of ShareGPT's roles \(system, human, user, gpt, "),
     ],
 )
 def test_bad_rows_are_one_line(tok, row, spec, match):
