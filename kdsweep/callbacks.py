@@ -1,4 +1,5 @@
-"""Hydra callbacks: after a multirun, one table of every job's objective (read from the jobs' run.json)."""
+"""Hydra callbacks: before a grid, every point validated and its SLURM jobs' ranks ended together when one dies;
+after a multirun, one table of every job's objective (read from the jobs' run.json)."""
 
 from __future__ import annotations
 
@@ -62,6 +63,27 @@ class ValidateGrid(Callback):
                 validate_composed(cfg, str(Path(str(config.hydra.sweep.dir)) / str(i)))
             except ConfigError as e:
                 fail(f"grid point {i} ({' '.join(point)}): {e}", None)
+
+
+KILL_BAD_EXIT = "export SLURM_KILL_BAD_EXIT=1"
+
+
+class KillBadExit(Callback):
+    """A grid's SLURM jobs end all their ranks as soon as one dies (else the others wait in a collective until
+    ``dist.timeout_s``): the shipped cluster presets' ``setup`` line, kept when a user's ``hydra.launcher.setup``
+    replaces the list (as ``hydra.launcher.setup=[module load cuda]`` does). kdsweep's own sweeper passes srun
+    ``--kill-on-bad-exit=1`` itself. Runs before Hydra builds the launcher, which copies its settings."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from omegaconf import open_dict, read_write
+
+        launcher = config.hydra.get("launcher") or {}
+        if "SlurmLauncher" not in str(launcher.get("_target_", "")):
+            return
+        setup = list(launcher.get("setup") or [])
+        if not any("SLURM_KILL_BAD_EXIT" in str(line) for line in setup):
+            with read_write(config.hydra), open_dict(config.hydra):
+                config.hydra.launcher.setup = [*setup, KILL_BAD_EXIT]
 
 
 class SweepSummary(Callback):

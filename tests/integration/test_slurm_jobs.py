@@ -68,12 +68,13 @@ def failing_grid(tmp_path_factory, site):
     directory, the future of its finished process). Its job fails at once, but its launcher learns it only from
     sacct (polled ever less often) and then waits 15 s more for the result file that a job leaving with SystemExit
     never writes: the grid test asks first and the preemption test comes next, so these waits overlap their jobs.
-    Its cluster=local_cpu is the site's own, which shadows the shipped preset."""
+    Its cluster=local_cpu is the site's own, which shadows the shipped preset, and its setup a line of its own."""
     root = tmp_path_factory.mktemp("failing")
     sweep = root / "sweep"
     with ThreadPoolExecutor(1) as pool:
         yield sweep, pool.submit(kdsweep, "-m", "kd_ratio=0.5", *SLURM, "train.device=cuda", *QUIET,
-                                 f"hydra.sweep.dir={sweep}", cwd=root, check=False, env_extra=site)
+                                 "hydra.launcher.setup=[echo site-setup]", f"hydra.sweep.dir={sweep}", cwd=root,
+                                 check=False, env_extra=site)
 
 
 @pytest.mark.usefixtures("failing_grid")
@@ -143,3 +144,7 @@ def test_a_failing_job_shows_failed(failing_grid):
     states = wait_for_states(array_job_of(sweep), {"FAILED", "COMPLETED"})
     assert set(states.values()) == {"FAILED"}, states
     assert job_comments(array_job_of(sweep)) == {"kdsweep-site-local_cpu"}  # the site's shadow, not the shipped
+    # its own setup line replaced the preset's, and the line that ends every rank when one dies was kept
+    (script,) = (sweep / ".submitit").glob("*/*_submission.sh")
+    setup = script.read_text().split("# setup\n")[1].split("\n\n")[0].splitlines()
+    assert setup == ["echo site-setup", "export SLURM_KILL_BAD_EXIT=1"], setup
