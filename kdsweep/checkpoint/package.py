@@ -52,7 +52,8 @@ def pick(path: Path, trial: int | None, confirmed: bool) -> tuple[list[tuple[str
     about = {"sweep": str(path), "verdict": verdict.get("line")}
     if trial is not None:
         if str(trial) not in trials:
-            raise ConfigError(f"trial {trial} is not in {path} (trials: {', '.join(sorted(trials, key=int)) or 'none'})")
+            known = ", ".join(sorted(trials, key=int)) or "none"
+            raise ConfigError(f"trial {trial} is not in {path} (trials: {known})")
         return [(f"trial{trial}", Path(trials[str(trial)]["run_dir"]))], about
     plan = manifest.data.get("confirmation") or {}
     if confirmed:

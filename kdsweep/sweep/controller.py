@@ -25,6 +25,7 @@ from kdsweep.sweep.local import LocalProcesses
 from kdsweep.sweep.manifest import FINAL, STORAGE_ENV, Manifest, connect_url
 from kdsweep.sweep.space import Param
 from kdsweep.sweep.study import SweepSettings, default_storage, make_pruner, make_sampler, make_storage
+from kdsweep.sweep.summary import job_name, summary_lines
 
 log = logging.getLogger(__name__)
 
@@ -384,44 +385,6 @@ def holds(distribution: Any, value: Any) -> bool:
     if hasattr(distribution, "choices"):
         return value in distribution.choices
     return distribution.low <= value <= distribution.high
-
-
-def job_name(job: dict[str, Any] | None) -> str:
-    """How the summary names a trial's job: its worker, SLURM job or process; one that ended while no controller
-    watched it (a controller killed in the launch window: its record was found, its job no longer was) says so."""
-    if not job:
-        return "-"
-    for key, name in (("worker", "worker"), ("slurm_job_id", "slurm"), ("pid", "pid")):
-        if key in job:
-            return f"{name} {job[key]}"
-    return "ended unwatched"
-
-
-def summary_lines(manifest: Manifest) -> list[str]:
-    """A table of the sweep's trials (state, objective, job, duration, params, output dir), best marked."""
-    trials = sorted(manifest.trials.values(), key=lambda e: e["number"])
-    signs = [1 if d == "minimize" else -1 for d in manifest.data["settings"]["directions"]]
-    done = [(t["number"], [s * v for s, v in zip(signs, t["values"])]) for t in trials
-            if t["state"] == "COMPLETE" and not t.get("confirm")]  # the search's best; the verdict is the confirmation's
-    # the best trial; with several objectives, every trial no other one beats on all of them (the Pareto front)
-    front = {n for n, v in done if not any(w != v and all(a <= b for a, b in zip(w, v)) for _, w in done)}
-    best = {min(done, key=lambda d: d[1])[0]} if done and len(signs) == 1 else front
-    tag = "  <- best" if len(signs) == 1 else "  <- pareto"
-    lines = [f"{'trial':>5}  {'state':<8} {'objective':>10}  {'job':<12} {'time':>6}  params  (output dir)"]
-    for t in trials:
-        objective = ",".join(f"{v:.4f}" for v in t["values"]) if t.get("values") else "-"
-        seconds = (t.get("ended") or time.time()) - t["started"] if t.get("started") else None
-        duration = "-" if seconds is None else f"{seconds:.0f}s" if seconds < 600 else f"{seconds / 60:.0f}m"
-        mark = tag if t["number"] in best else ""
-        params = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in t["params"].items())
-        if t.get("confirm"):
-            seed = t["confirm"]["seed"]
-            params += f" [confirm {t['confirm']['label']}{'' if seed is None else f' seed {seed}'}]"
-        lines.append(f"{t['number']:>5}  {t['state']:<8} {objective:>10}  {job_name(t.get('job')):<12} {duration:>6}  "
-                     f"{params}  ({t['run_dir']}){mark}"
-                     + (f"  ({t['reason']})" if t.get("reason") and t["state"] == "FAIL" else ""))
-    verdict = manifest.data.get("verdict")
-    return lines + ([f"verdict: {verdict['line']}"] if verdict else [])
 
 
 __all__ = ["Controller", "LocalProcesses", "judge", "summary_lines", "FINAL"]
