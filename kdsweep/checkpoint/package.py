@@ -46,6 +46,7 @@ def pick(path: Path, trial: int | None, confirmed: bool) -> tuple[list[tuple[str
             raise ConfigError(f"{path} is a run directory: --trial and --confirmed pick from a sweep directory")
         return [(path.name, path)], {}
     from kdsweep.sweep.manifest import Manifest
+    from kdsweep.sweep.summary import search_best
 
     manifest = Manifest.load(path)
     trials, verdict = manifest.trials, manifest.data.get("verdict") or {}
@@ -66,15 +67,10 @@ def pick(path: Path, trial: int | None, confirmed: bool) -> tuple[list[tuple[str
         return [(f"{label}-seed{t['confirm']['seed']}", Path(t["run_dir"])) for t in runs], about
     if plan.get("points"):  # the point the verdict reports: the search's best, fixed before its confirmation
         number = plan["points"][0]["search_trial"]
-    else:
-        directions = manifest.data["settings"]["directions"]
-        if len(directions) > 1:
-            raise ConfigError(f"{path} is a study of several objectives (no single best): export --trial N")
-        sign = 1 if directions[0] == "minimize" else -1
-        done = [t for t in trials.values() if t["state"] == "COMPLETE" and not t.get("confirm")]
-        if not done:
-            raise ConfigError(f"{path} has no completed search trial yet: nothing to export")
-        number = min(done, key=lambda t: sign * t["values"][0])["number"]
+    elif len(manifest.data["settings"]["directions"]) > 1:
+        raise ConfigError(f"{path} is a study of several objectives (no single best): export --trial N")
+    elif (number := search_best(manifest)) is None:
+        raise ConfigError(f"{path} has no completed search trial yet: nothing to export")
     return [(f"trial{number}", Path(trials[str(number)]["run_dir"]))], about
 
 

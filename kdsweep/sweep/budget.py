@@ -42,16 +42,16 @@ from kdsweep.sweep.manifest import FINAL, Manifest
 from kdsweep.sweep.workers import idle_device_seconds
 
 
-_READ: dict[Path, tuple[tuple[int, int, int], dict[str, Any]]] = {}  # run.json -> (its inode, mtime, size; record)
+_READ: dict[Path, tuple[tuple[int, int, int], dict[str, Any]]] = {}  # a JSON file -> (inode, mtime, size; content)
 SETTLED_S = 2.0
-"""A run.json not written for this long is kept parsed until it changes: a later write moves its mtime by more than
+"""A JSON file not written for this long is kept parsed until it changes: a later write moves its mtime by more than
 the clock's tick, so (inode, mtime, size) tells it apart; a younger one is parsed at every read."""
 
 
-def _record(entry: dict[str, Any]) -> dict[str, Any]:
-    """A trial's run.json (empty before its first record; read-only). The controller asks :meth:`Budget.allows` at
-    every poll, which reads every trial's record several times: a settled one is parsed once."""
-    path = Path(entry["run_dir"]) / "run.json"
+def _json(path: Path) -> dict[str, Any]:
+    """A JSON file's content (empty while it does not exist; read-only). The controller asks :meth:`Budget.allows`
+    at every poll, which reads every trial's record (and a prebuilt cache's meta.json) several times: a settled file
+    is parsed once."""
     try:
         stat = path.stat()
     except FileNotFoundError:
@@ -60,10 +60,15 @@ def _record(entry: dict[str, Any]) -> dict[str, Any]:
     known = _READ.get(path)
     if known is not None and known[0] == version:
         return known[1]
-    record = json.loads(path.read_text())
+    content = json.loads(path.read_text())
     if time.time() - stat.st_mtime > SETTLED_S:
-        _READ[path] = (version, record)
-    return record
+        _READ[path] = (version, content)
+    return content
+
+
+def _record(entry: dict[str, Any]) -> dict[str, Any]:
+    """A trial's run.json (empty before its first record; read-only)."""
+    return _json(Path(entry["run_dir"]) / "run.json")
 
 
 def _cost(entry: dict[str, Any]) -> tuple[dict[str, Any], int]:
@@ -138,21 +143,12 @@ def is_seed(entry: dict[str, Any]) -> bool:
     return (entry.get("confirm") or {}).get("seed") is not None
 
 
-_BUILT: dict[Path, tuple[tuple[int, int], dict[str, Any]]] = {}  # meta.json -> ((mtime, size), its "built")
-
-
 def _built(cache_dir: str | None) -> dict[str, Any]:
-    """What a teacher cache's build measured (its ``meta.json``'s ``built``; empty when it cannot be read), parsed
-    once per version of the file (the budget asks at every poll)."""
+    """What a teacher cache's build measured (its ``meta.json``'s ``built``; empty when it cannot be read)."""
     if not cache_dir:
         return {}
-    path = Path(cache_dir) / "meta.json"
     try:
-        stat = path.stat()
-        version = (stat.st_mtime_ns, stat.st_size)
-        if path not in _BUILT or _BUILT[path][0] != version:
-            _BUILT[path] = (version, json.loads(path.read_text()).get("built") or {})
-        return _BUILT[path][1]
+        return _json(Path(cache_dir) / "meta.json").get("built") or {}
     except (OSError, ValueError):
         return {}
 

@@ -124,20 +124,22 @@ class Controller:
             self.manifest.save()
             log.info("confirmation: %s", confirm.baseline_text(plan))
         item = confirm.next_item(plan, trials)
-        if item is None and self._more_seeds(plan):
-            confirm.add_seeds(plan, confirm.more_seeds(plan))
+        if item is None and (pair := self._more_seeds(plan)):
+            confirm.add_seeds(plan, pair)
             self.manifest.save()
             log.info("confirmation: the budget leaves room for one more seed of top1 and CE-only")
             item = confirm.next_item(plan, trials)
         return item
 
-    def _more_seeds(self, plan: dict[str, Any]) -> bool:
-        """Whether what a budget that ended the search leaves, once every planned confirmation trial has started,
-        buys one more seed of top1 and CE-only (``confirm.more_seeds`` at most)."""
+    def _more_seeds(self, plan: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """The next seed of top1 and CE-only, when what a budget that ended the search leaves, once every planned
+        confirmation trial has started, buys it (``confirm.more_seeds`` at most); else None."""
         if (plan.get("search_ended_by", "hydra.sweeper.n_trials") == "hydra.sweeper.n_trials"
-                or plan.get("more_seeds", 0) >= self.confirm.more_seeds or confirm.baseline_pending(plan)):
-            return False
-        return bool(plan["points"]) and self.budget.allows_more([i["label"] for i in confirm.more_seeds(plan)])
+                or plan.get("more_seeds", 0) >= self.confirm.more_seeds or confirm.baseline_pending(plan)
+                or not plan["points"]):
+            return None
+        pair = confirm.more_seeds(plan)
+        return pair if self.budget.allows_more([i["label"] for i in pair]) else None
 
     def _note_cut(self) -> None:
         """The sweep ends with confirmation trials never asked: the budget left no room for them (the verdict says)."""

@@ -20,16 +20,33 @@ def job_name(job: dict[str, Any] | None) -> str:
     return "ended unwatched"
 
 
+def _searched(manifest: Manifest) -> list[tuple[int, list[float]]]:
+    """The completed search trials (not the confirmation's: the verdict is theirs), by number, with their values
+    signed so that lower is better."""
+    signs = [1 if d == "minimize" else -1 for d in manifest.data["settings"]["directions"]]
+    trials = sorted(manifest.trials.values(), key=lambda e: e["number"])
+    return [(t["number"], [s * v for s, v in zip(signs, t["values"])]) for t in trials
+            if t["state"] == "COMPLETE" and not t.get("confirm")]
+
+
+def search_best(manifest: Manifest) -> int | None:
+    """The search's best trial, by its one objective (the first of the best value); None before a search trial has
+    completed, or in a study of several objectives (no single best: its Pareto front)."""
+    done = _searched(manifest)
+    if not done or len(manifest.data["settings"]["directions"]) > 1:
+        return None
+    return min(done, key=lambda d: d[1])[0]
+
+
 def summary_lines(manifest: Manifest) -> list[str]:
     """A table of the sweep's trials (state, objective, job, duration, params, output dir), best marked."""
     trials = sorted(manifest.trials.values(), key=lambda e: e["number"])
-    signs = [1 if d == "minimize" else -1 for d in manifest.data["settings"]["directions"]]
-    done = [(t["number"], [s * v for s, v in zip(signs, t["values"])]) for t in trials
-            if t["state"] == "COMPLETE" and not t.get("confirm")]  # the search's best; the verdict is the confirmation's
+    single = len(manifest.data["settings"]["directions"]) == 1
+    done = _searched(manifest)
     # the best trial; with several objectives, every trial no other one beats on all of them (the Pareto front)
     front = {n for n, v in done if not any(w != v and all(a <= b for a, b in zip(w, v)) for _, w in done)}
-    best = {min(done, key=lambda d: d[1])[0]} if done and len(signs) == 1 else front
-    tag = "  <- best" if len(signs) == 1 else "  <- pareto"
+    best = {search_best(manifest)} if single else front
+    tag = "  <- best" if single else "  <- pareto"
     lines = [f"{'trial':>5}  {'state':<8} {'objective':>10}  {'job':<12} {'time':>6}  params  (output dir)"]
     for t in trials:
         objective = ",".join(f"{v:.4f}" for v in t["values"]) if t.get("values") else "-"
@@ -47,4 +64,4 @@ def summary_lines(manifest: Manifest) -> list[str]:
     return lines + ([f"verdict: {verdict['line']}"] if verdict else [])
 
 
-__all__ = ["job_name", "summary_lines"]
+__all__ = ["job_name", "search_best", "summary_lines"]

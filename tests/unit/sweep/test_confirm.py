@@ -200,21 +200,32 @@ def test_a_budget_reserves_the_confirmation_share(tmp_path):
     assert 200 <= manifest.data["budget"]["device_seconds_spent"] < 210
 
 
-class DearerConfirmation(Recorded):
-    """Confirmation trials cost 25 device-s where the search's cost 10 (a live teacher after a cheap search, or a
-    loaded machine): the reserve priced at the search's cost cannot pay for all 9."""
+class Priced(Recorded):
+    """Trials whose override ``key=value`` is set cost ``seconds`` device-s, the others 10."""
+
+    def __init__(self, key: str, value: str, seconds: float) -> None:
+        super().__init__()
+        self.key, self.value, self.seconds = key, value, seconds
 
     def poll(self, job):
         super().poll(job)
-        if job["values"].get("train.eval_test") == "true":
+        if job["values"].get(self.key) == self.value:
             record = json.loads((Path(job["run_dir"]) / "run.json").read_text())
-            record["cost"] = {"trial_seconds": 25.0, "device_seconds": 25.0}
+            record["cost"] = {"trial_seconds": self.seconds, "device_seconds": self.seconds}
             (Path(job["run_dir"]) / "run.json").write_text(json.dumps(record))
         return 0
 
 
+# Confirmation trials cost 25 device-s where the search's cost 10 (a live teacher after a cheap search, or a loaded
+# machine): the reserve priced at the search's cost cannot pay for all 9.
+DEARER_CONFIRMATION = ("train.eval_test", "true", 25.0)
+# CE-only trials cost 4 device-s where a KD trial costs 10 (no teacher in training): the reserve, which prices CE-only
+# as KD before it ran, holds 18 device-s more than the confirmation spends.
+CHEAPER_BASELINE = ("loss.kd_ratio", "0.0", 4.0)
+
+
 def test_a_confirmation_the_budget_cuts_short_still_pairs_the_best_point_with_ce_only(tmp_path):
-    manifest = sweep(tmp_path, DearerConfirmation(), n_trials=None, budget=200 / 3600.0)
+    manifest = sweep(tmp_path, Priced(*DEARER_CONFIRMATION), n_trials=None, budget=200 / 3600.0)
     confirmation = sorted((t for t in manifest.trials.values() if t.get("confirm")), key=lambda t: t["number"])
     ran = [(t["confirm"]["label"], t["confirm"]["seed"] - SEED_BASE) for t in confirmation]
     # seed by seed, CE-only right after top1; the budget stops it after 4 (11 × 10 + 4 × 25 = 210 ≥ 200)
@@ -225,23 +236,10 @@ def test_a_confirmation_the_budget_cuts_short_still_pairs_the_best_point_with_ce
                                                      "the rest")
 
 
-class CheaperBaseline(Recorded):
-    """CE-only trials cost 4 device-s where a KD trial costs 10 (no teacher in training): the reserve, which prices
-    CE-only as KD before it ran, holds 18 device-s more than the confirmation spends."""
-
-    def poll(self, job):
-        super().poll(job)
-        if job["values"].get("loss.kd_ratio") == "0.0":
-            record = json.loads((Path(job["run_dir"]) / "run.json").read_text())
-            record["cost"] = {"trial_seconds": 4.0, "device_seconds": 4.0}
-            (Path(job["run_dir"]) / "run.json").write_text(json.dumps(record))
-        return 0
-
-
 @pytest.mark.parametrize("more", [0, 3])
 def test_what_the_budget_leaves_after_the_confirmation_buys_more_seeds_of_top1_and_ce_only(tmp_path, more):
     confirm = {"top": 2, "seeds": 3, "more_seeds": more}
-    manifest = sweep(tmp_path, CheaperBaseline(), n_trials=None, budget=200 / 3600.0, confirm=confirm)
+    manifest = sweep(tmp_path, Priced(*CHEAPER_BASELINE), n_trials=None, budget=200 / 3600.0, confirm=confirm)
     confirmation = sorted((t for t in manifest.trials.values() if t.get("confirm")), key=lambda t: t["number"])
     ran = [(t["confirm"]["label"], t["confirm"]["seed"] - SEED_BASE) for t in confirmation]
     spent, line = manifest.data["budget"]["device_seconds_spent"], manifest.data["verdict"]["line"]
