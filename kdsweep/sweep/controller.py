@@ -23,7 +23,7 @@ from kdsweep.sweep.cost import cost_lines, sweep_cost
 from kdsweep.sweep.judge import Outcome, judge
 from kdsweep.sweep.local import LocalProcesses
 from kdsweep.sweep.manifest import FINAL, STORAGE_ENV, Manifest, connect_url
-from kdsweep.sweep.space import Param
+from kdsweep.sweep.space import Param, holds
 from kdsweep.sweep.study import SweepSettings, default_storage, make_pruner, make_sampler, make_storage
 from kdsweep.sweep.summary import job_name, summary_lines
 
@@ -45,6 +45,10 @@ class Backend(Protocol):
     def find(self, args: list[str], run_dir: Path) -> dict[str, Any] | None:
         """The trial's job, if one was started (running or ended) that the manifest does not know of: what
         ``start`` would have returned for it, else None."""
+
+    def release_idle(self) -> None:
+        """Nothing may start until the budget frees: what the backend holds idle goes (an idle warm worker leaves;
+        a later start brings up a new one), so that it stops costing device time."""
 
     def close(self) -> None:
         """The sweep is over (no trial runs): release what the backend holds (warm workers leave)."""
@@ -140,6 +144,15 @@ class Controller:
             return None
         pair = confirm.more_seeds(plan)
         return pair if self.budget.allows_more([i["label"] for i in pair]) else None
+
+    def _waits_on_trials(self) -> bool:
+        """Whether a running trial's end brings work other than what the budget may free: the confirmation's plan
+        (made once the search's trials have ended) or the CE-only baseline's seeds (once its learning rate is
+        settled). Else nothing may start until the budget allows it, and idle workers are only spending it."""
+        plan = self.manifest.data.get("confirmation")
+        if plan is None:
+            return self.confirm is not None and any(e["state"] not in FINAL for e in self._search_trials())
+        return confirm.baseline_pending(plan)
 
     def _note_cut(self) -> None:
         """The sweep ends with confirmation trials never asked: the budget left no room for them (the verdict says)."""
@@ -350,6 +363,8 @@ class Controller:
                       and self.budget.allows_reserved(seed=item["seed"] is not None)):
                     self._ask_and_start(item)
                 else:
+                    if running and not self._waits_on_trials():
+                        self.backend.release_idle()
                     break
                 running.append(-1)
             if not running:
@@ -380,13 +395,6 @@ manifest says so), after_write."""
 def crash_point(point: str, number: int, tag: str | None = None) -> None:
     if os.environ.get(CRASH_AT) in (point, f"{point}:{number}", f"{point}:{tag}"):
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def holds(distribution: Any, value: Any) -> bool:
-    """Whether an Optuna distribution can hold ``value`` (a choice of it, or inside its bounds)."""
-    if hasattr(distribution, "choices"):
-        return value in distribution.choices
-    return distribution.low <= value <= distribution.high
 
 
 __all__ = ["Controller", "LocalProcesses", "judge", "summary_lines", "FINAL"]

@@ -134,3 +134,10 @@ def parse_space(params: dict[str, str]) -> list[Param]:
                 f"range(a,b,step), or set it as a plain override {key}={text}"
             )
     return space
+
+
+def holds(distribution: Any, value: Any) -> bool:
+    """Whether an Optuna distribution can hold ``value`` (a choice of it, or inside its bounds)."""
+    if hasattr(distribution, "choices"):
+        return value in distribution.choices
+    return distribution.low <= value <= distribution.high

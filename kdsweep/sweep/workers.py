@@ -128,6 +128,20 @@ class WorkerPool:
         seq = self._last_seq(name)
         return seq == 0 or (worker_dir(self.sweep_dir, name) / f"done-{seq}.json").exists()
 
+    def _leaving(self, name: str) -> bool:
+        """Whether the worker was told to leave (it takes no trial more)."""
+        seq = self._last_seq(name)
+        return seq > 0 and bool((read_json(worker_dir(self.sweep_dir, name) / f"task-{seq}.json") or {}).get("stop"))
+
+    def _staying(self) -> list[str]:
+        """The live workers not told to leave."""
+        return [n for n in self._names() if self.alive(n) and not self._leaving(n)]
+
+    def _tell_to_leave(self, names: list[str]) -> None:
+        for name in names:
+            seq = self._last_seq(name) + 1
+            write_json_atomic(worker_dir(self.sweep_dir, name) / f"task-{seq}.json", {"seq": seq, "stop": True})
+
     def _launch(self) -> str:
         name = f"w{len(self._names())}"
         d = worker_dir(self.sweep_dir, name)
@@ -158,7 +172,7 @@ class WorkerPool:
     # -- Backend -------------------------------------------------------------------------------------------------
     def start(self, args: list[str], run_dir: Path, alone: bool = False) -> dict[str, Any]:
         self._count_dead()
-        live = [n for n in self._names() if self.alive(n)]
+        live = self._staying()  # a worker leaving may still be alive: it takes no trial, and a new one may start
         idle = [n for n in live if self._idle(n)]
         if not idle and len(live) >= self.size:
             raise RuntimeError(f"no idle worker among {live} (the controller keeps at most {self.size} trials running)")
@@ -195,13 +209,19 @@ class WorkerPool:
                     return self._job(name, seq, run_dir)
         return None
 
+    def release_idle(self) -> None:
+        """Nothing may start until the budget frees: the idle workers leave (a worker waiting for a task holds its
+        devices, and the budget counts that); a trial that starts later gets a new worker."""
+        idle = [n for n in self._staying() if self._idle(n)]
+        if idle:
+            log.info("workers %s leave: no trial may start until the budget allows it", ", ".join(idle))
+            self._tell_to_leave(idle)
+
     def close(self) -> None:
         """The sweep is over: every live worker leaves once it is idle (it is, since no trial runs); the sweep ends
         when they have (SLURM shows their jobs COMPLETED), or after two minutes."""
+        self._tell_to_leave(self._staying())
         live = [n for n in self._names() if self.alive(n)]
-        for name in live:
-            seq = self._last_seq(name) + 1
-            write_json_atomic(worker_dir(self.sweep_dir, name) / f"task-{seq}.json", {"seq": seq, "stop": True})
         deadline = time.time() + 120
         while live and time.time() < deadline:
             time.sleep(0.5)

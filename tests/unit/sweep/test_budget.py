@@ -48,6 +48,9 @@ class Recorded:
     def find(self, args, run_dir):
         return None
 
+    def release_idle(self):
+        pass
+
     def close(self):
         pass
 
@@ -221,6 +224,9 @@ class Simulated:
 
     def find(self, args, run_dir):
         return None
+
+    def release_idle(self):
+        pass
 
     def close(self):
         pass

@@ -65,6 +65,9 @@ class Recorded:
     def find(self, args, run_dir):
         return None
 
+    def release_idle(self):
+        pass
+
     def close(self):
         pass
 
