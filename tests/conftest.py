@@ -51,7 +51,7 @@ SHARED = {  # file -> the file whose artefact it reads
     "tests/integration/test_slurm_jobs.py": "tests/integration/test_cli_run.py",  # smoke_run
 }
 LONGEST_FIRST = [f"tests/integration/test_{name}.py" for name in (
-    "architectures", "slurm_cluster",  # no embedded model
+    "architectures", "slurm_cluster", "presets",  # no embedded model
     # then by CI's per-file times, the SHARED pairs summed
     "launch", "multirank", "teacher_cache", "teacher_placement", "rollout", "cross_tokenizer", "sweep", "analysis",
     "hf_models", "workers", "docs", "rank_failures", "cli_run", "slurm_workers", "slurm_confirm", "budget_mixed",
