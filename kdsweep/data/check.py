@@ -35,9 +35,8 @@ def preflight_data(cfg: RunConfig) -> None:
     every = train_sources(d) + eval_sources(d) + test_sources(d)
     chat_sources = [key for key, ds in every if ds.format == "chat"]
     if chat_sources and template is None:
-        # the embedded tiny tokenizer has no chat template
-        if cfg.model.path is None or not has_chat_template(hub.model_dir("model.path", cfg.model.path)):
-            name = cfg.model.path or f"the embedded {cfg.model.zoo}"
+        if cfg.model.path is not None and not has_chat_template(hub.model_dir("model.path", cfg.model.path)):
+            name = cfg.model.path
             raise ConfigError(
                 f"{chat_sources[0]}.format=chat needs a chat template and the tokenizer of {name} has none; "
                 "set data.chat_template=<a template or a .jinja file> or use format instruction"

@@ -26,9 +26,15 @@ log = logging.getLogger(__name__)
 ZOO_VERSION = 1
 # The default data split (DataConfig defaults): the tiny models never see the default held-out documents.
 SPLIT = {"eval_fraction": 0.05, "split_seed": 1234}
-TOKENIZER = {"vocab_size": 2048, "min_frequency": 2}
+CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] + ':' + ' ' + message['content'] }}"
+                 "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}")
+"""The zoo tokenizers' chat template, made of tokens they already have (``user: hi`` / ``assistant: hello</s>``, a
+line each), so ``data=chat`` runs on the embedded models and an export's tokenizer renders conversations."""
+TOKENIZER = {"vocab_size": 2048, "min_frequency": 2, "chat_template": CHAT_TEMPLATE}
 """The tiny tokenizer: byte-level BPE (``Ġ`` for a space), shared by the tiny teacher and student."""
-OTHER_TOKENIZER = {"vocab_size": 1536, "min_frequency": 2, "pieces": "sentencepiece_byte_fallback"}
+OTHER_TOKENIZER = {"vocab_size": 1536, "min_frequency": 2, "pieces": "sentencepiece_byte_fallback",
+                   "chat_template": CHAT_TEMPLATE}
 """The second teacher's own: BPE on the same documents in SentencePiece's conventions (``▁`` for a space, unknown
 characters as ``<0xAB>`` byte tokens) and a smaller vocabulary, so the pair is a real cross-tokenizer pair."""
 TOKENIZERS = {"tiny": TOKENIZER, "tiny_other": OTHER_TOKENIZER}
@@ -102,7 +108,7 @@ def _train_tokenizer() -> Any:
         show_progress=False,
     )
     tok.train_from_iterator(embedded_corpus(**SPLIT).train, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=CHAT_TEMPLATE, **SPECIAL_TOKENS)
 
 
 def _train_other_tokenizer() -> Any:
@@ -120,7 +126,7 @@ def _train_other_tokenizer() -> Any:
         show_progress=False,
     )
     tok.train_from_iterator(embedded_corpus(**SPLIT).train, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=CHAT_TEMPLATE, **SPECIAL_TOKENS)
 
 
 def model_dir(name: str) -> Path:

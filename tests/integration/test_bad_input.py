@@ -27,7 +27,21 @@ def dirs(tmp_path_factory, zoo_dirs, other_teacher):
     save_hf_model(root / "student_a", word_tokenizer())
     save_hf_model(root / "teacher_b", word_tokenizer(extra_words=("zebra", "yak")), hidden=48)
     save_hf_model(root / "lossy_teacher", lowercasing_tokenizer(), max_positions=256)
+    without_template(zoo_dirs["student"], root / "student_no_template")
+    without_template(other_teacher, root / "other_no_template")
     return root
+
+
+def without_template(model_dir, out):
+    """A copy of an embedded model whose tokenizer has no chat template (as a base model's often has none)."""
+    import json
+    import shutil
+
+    shutil.copytree(model_dir, out)
+    (out / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 def lowercasing_tokenizer():
@@ -57,7 +71,7 @@ CASES = {
     "cross_tokenizer_rollout": (["teacher=tiny_other", "rollout.seq_kd=true", "data=instruction",
                                  "data.datasets.0.path={root}/instructions.jsonl"],
                                 "generation with a teacher of another tokenizer"),
-    "cross_tokenizer_chat": (["teacher=tiny_other", "data=chat", "data.datasets.0.path={root}/chat.jsonl",
+    "cross_tokenizer_chat": (["teacher.path={root}/other_no_template", "data=chat", "data.datasets.0.path={root}/chat.jsonl",
                               "data.chat_template={root}/chat.jinja"],
                              "teacher: chat data needs the teacher's own chat template, and its tokenizer has none; set "
                              "teacher.chat_template"),
@@ -83,8 +97,9 @@ CASES = {
     "missing_file": (["data=text", "data.datasets.0.path={root}/nope.jsonl"], "data.datasets[0].path: {root}/nope.jsonl does not exist"),
     "chat_without_messages": (["data=chat", "data.datasets.0.path={root}/chat_no_messages.jsonl", "data.chat_template={root}/chat.jinja"],
                               "chat_no_messages.jsonl row 2: a chat row needs a non-empty list of messages"),
-    "no_chat_template": (["data=chat", "data.datasets.0.path={root}/chat.jsonl"],
-                         "data.datasets[0].format=chat needs a chat template and the tokenizer of the embedded tiny-student has none"),
+    "no_chat_template": (["model.path={root}/student_no_template", "data=chat", "data.datasets.0.path={root}/chat.jsonl"],
+                         "data.datasets[0].format=chat needs a chat template and the tokenizer of "
+                         "{root}/student_no_template has none"),
     "weights_not_positive": (["data=mixture", "data.datasets.0.path={root}/no_output.jsonl", "data.datasets.1.path={root}/chat.jsonl",
                               "data.datasets.0.weight=0", "data.datasets.1.weight=0"], "data.datasets weights sum to 0"),
     "negative_weight": (["data=mixture", "data.datasets.0.path={root}/no_output.jsonl", "data.datasets.1.path={root}/chat.jsonl",
@@ -115,8 +130,6 @@ CASES = {
 def test_one_clear_line_and_nothing_written(case, dirs, tmp_path):
     args, expected = CASES[case]
     run_dir = tmp_path / "run"
-    if any(a.startswith("data=") for a in args):
-        args = [*args, "data.seq_len=128"]  # the data presets' lengths are for real models, beyond the tiny ones
     proc = kdsweep(*[a.format(root=dirs) for a in args], f"hydra.run.dir={run_dir}", cwd=tmp_path, check=False)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stderr

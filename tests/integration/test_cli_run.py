@@ -135,6 +135,10 @@ def test_export_merges_a_run_s_adapter_into_a_model_plain_transformers_loads_as_
     record = read_run(run_dir)
     assert ce.item() == pytest.approx(record["objective"], abs=1e-5)
     assert (shipped / "adapter" / "adapter_model.safetensors").exists() and (shipped / "adapter" / "tokenizer.json").exists()
+    chat = [{"role": "user", "content": "In the beginning"}, {"role": "assistant", "content": "God created"}]
+    for d in ("merged", "adapter"):  # the tokenizers render conversations as the student's template does
+        rendered = AutoTokenizer.from_pretrained(shipped / d).apply_chat_template(chat, tokenize=False)
+        assert rendered == "user: In the beginning\nassistant: God created</s>\n", rendered
     card = (shipped / "README.md").read_text()
     assert "kd_ratio 0.5," in card and f"base student: `{zoo_dirs['student']}`" in card
     assert f"student CE {record['objective']:.4g}" in card
