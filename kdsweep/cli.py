@@ -7,6 +7,8 @@
                                    set KDSWEEP_STORAGE_URL to the full URL)
     kdsweep export <sweep or run dir> [--best | --trial N | --confirmed] [--out DIR]   the trained student as one
                                    ships it: merged model and tokenizer, adapter, model card
+    kdsweep eval <model, run or sweep dir> ... [--tasks T,...]   downstream tasks through lm-evaluation-harness: the
+                                   students beside CE-only and the undistilled base, one table
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-SUBCOMMANDS = ("status", "resume", "logs", "dashboard", "export")
+SUBCOMMANDS = ("status", "resume", "logs", "dashboard", "export", "eval")
 
 
 def _sweep_dir(args: list[str], command: str) -> Path:
@@ -115,14 +117,20 @@ def export(args: list[str]) -> None:
         print(f"{target}: merged/ (AutoModelForCausalLM, AutoTokenizer), README.md", flush=True)
 
 
+def evaluate(args: list[str]) -> None:
+    from kdsweep.eval.report import main as report
+
+    report(args)
+
+
 def main() -> None:
     args = sys.argv[1:]
     if args and args[0] in SUBCOMMANDS:
         from kdsweep.config.schema import ConfigError
 
         try:
-            {"status": status, "resume": resume, "logs": logs, "dashboard": dashboard, "export": export}[args[0]](
-                args[1:])
+            {"status": status, "resume": resume, "logs": logs, "dashboard": dashboard, "export": export,
+             "eval": evaluate}[args[0]](args[1:])
         except ConfigError as e:
             print(f"kdsweep: error: {e}", file=sys.stderr)
             raise SystemExit(2) from None

@@ -26,7 +26,8 @@ from kdsweep.config.schema import ConfigError
 CARD = "kdsweep_export.json"
 
 
-def _record(run_dir: Path) -> dict[str, Any]:
+def completed_record(run_dir: Path) -> dict[str, Any]:
+    """A completed run's run.json (one line for a directory without one, or a run that did not complete)."""
     path = run_dir / "run.json"
     if not path.exists():
         raise ConfigError(f"{run_dir} holds no run.json: pass a run directory or a sweep directory (sweep.json)")
@@ -74,7 +75,7 @@ def pick(path: Path, trial: int | None, confirmed: bool) -> tuple[list[tuple[str
     return [(f"trial{number}", Path(trials[str(number)]["run_dir"]))], about
 
 
-def _student(record: dict[str, Any]) -> tuple[Any, Any, str]:
+def _student(record: dict[str, Any], run_dir: Path) -> tuple[Any, Any, str]:
     """The run's trained student (its adapter applied to the base it trained from, or its merged model) and its
     tokenizer, and which of the two it was."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -90,7 +91,7 @@ def _student(record: dict[str, Any]) -> tuple[Any, Any, str]:
     if exports.get("merged") and Path(exports["merged"]).exists():
         merged = exports["merged"]
         return AutoModelForCausalLM.from_pretrained(merged), AutoTokenizer.from_pretrained(merged), "merged"
-    raise ConfigError(f"{record.get('output_dir')} kept no adapter and no merged model: rerun it with "
+    raise ConfigError(f"{run_dir} kept no adapter and no merged model: rerun it with "
                       "checkpoint.export_adapter=true (LoRA) or checkpoint.export_merged=true")
 
 
@@ -136,8 +137,8 @@ def export_run(run_dir: Path, out: Path, about: dict[str, Any], name: str) -> di
     """Write ``out/merged``, ``out/adapter`` (a LoRA run), ``out/README.md`` and ``out/kdsweep_export.json``."""
     from kdsweep.checkpoint.export import export
 
-    record = _record(run_dir)
-    model, tokenizer, kept = _student(record)
+    record = completed_record(run_dir)
+    model, tokenizer, kept = _student(record, run_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = export(model, tokenizer, out, adapter=kept == "adapter", merged=True)
     if kept == "adapter":  # the merge ran on its own copy: the adapter as trained is the run's, copied
@@ -162,4 +163,4 @@ def export_runs(path: Path, out: Path | None, trial: int | None, confirmed: bool
     return done
 
 
-__all__ = ["CARD", "card", "export_run", "export_runs", "pick"]
+__all__ = ["CARD", "card", "completed_record", "export_run", "export_runs", "pick"]

@@ -55,9 +55,10 @@ def paired(values: dict, a: str, b: str) -> tuple[float, float, float]:
 
 @pytest.fixture(scope="module")
 def default_point(tmp_path_factory, zoo_dirs):
-    """The embedded default's KD point (kd_ratio 0.5, lr 0.01) and the same with lr 0.0105."""
+    """The embedded default's KD point (kd_ratio 0.5, lr 0.01) and the same with lr 0.0105; the trials keep their
+    adapters, as the shipped searches' do (kdsweep eval reads them)."""
     return confirmed(tmp_path_factory.mktemp("verdict_default"), "known",
-                     [{"kd_ratio": 0.5, "lr": 0.01}, {"kd_ratio": 0.5, "lr": 0.0105}])
+                     [{"kd_ratio": 0.5, "lr": 0.01}, {"kd_ratio": 0.5, "lr": 0.0105}], "checkpoint.export_adapter=true")
 
 
 def test_kd_at_the_embedded_default_beats_ce_only(default_point):
@@ -83,6 +84,24 @@ def test_learning_rates_5_percent_apart_are_decided_as_their_paired_t_says(defau
             in line, line
     else:
         assert f"; top2: not distinguishable from top1 ({-mean:+.4f} ± {half:.4f} unadjusted, 3 seeds" in line, line
+
+
+def test_eval_scores_the_confirmed_point_and_ce_only_over_their_seeds_beside_the_base(default_point, tmp_path):
+    """`kdsweep eval <sweep>`: the verdict's point and CE-only, each over its 3 confirmation seeds (mean ± the t
+    interval across them), and the base student they trained from, on the shipped lm-eval task."""
+    import json
+
+    sweep = Path(default_point["trials"]["0"]["run_dir"]).parent
+    out = kdsweep("eval", str(sweep), "--json", str(tmp_path / "eval.json"), cwd=tmp_path)
+    rows = {r["name"]: r for r in json.loads((tmp_path / "eval.json").read_text())["rows"]}
+    base = Path(read_run(Path(default_point["trials"]["0"]["run_dir"]))["models"]["student"]).name
+    best = default_point["verdict"]["best"]
+    assert set(rows) == {f"{best} (3 seeds)", "ce_only (3 seeds)", f"base: {base}"}
+    for name in (f"{best} (3 seeds)", "ce_only (3 seeds)"):
+        r = rows[name]
+        assert len(r["values"]) == 3 and r["value"] == pytest.approx(statistics.fmean(r["values"]))
+        assert r["half_width"] == pytest.approx(T_975_2DF * statistics.stdev(r["values"]) / math.sqrt(3), rel=1e-3)
+        assert f"{r['value']:.4f} ± {r['half_width']:.4f}" in out.stdout and r["vs_base"] is not None
 
 
 def test_a_random_teacher_at_kd_ratio_0_9_loses_to_ce_only(tmp_path, zoo_dirs):

@@ -1,0 +1,76 @@
+"""One model on lm-evaluation-harness tasks: the shipped task (:mod:`kdsweep.eval.task`), tasks in a user's own
+YAML directory (``include``), or any task lm-eval ships (those read their datasets through the Hugging Face cache)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from kdsweep.config.schema import ConfigError
+
+log = logging.getLogger(__name__)
+
+INSTALL = "pip install 'kdsweep[eval]'"
+
+
+def require_lm_eval() -> Any:
+    """The lm_eval module, or one line with the command that installs it."""
+    try:
+        import lm_eval
+    except ImportError:
+        raise ConfigError(f"kdsweep eval runs lm-evaluation-harness, which is not installed; {INSTALL} "
+                          "(lm_eval>=0.4.10)") from None
+    return lm_eval
+
+
+def task_manager(tasks: list[str], include: list[Path]) -> Any:
+    """lm-eval's TaskManager over the shipped task and ``include``; lm-eval's own tasks are indexed too (seconds)
+    only when a task is not among those. An unknown task is one line."""
+    from lm_eval.tasks import TaskManager
+
+    from kdsweep.eval.task import TASK, task_dir
+
+    paths = [str(task_dir()), *map(str, include)]
+    manager = TaskManager(include_path=paths, include_defaults=False)
+    if all(t in manager.all_tasks for t in tasks):
+        return manager
+    manager = TaskManager(include_path=paths)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        raise ConfigError(f"--tasks: lm-eval knows no task {unknown[0]!r}; use {TASK} (shipped), a task of "
+                          "`lm-eval ls tasks`, or one in a YAML directory given with --include DIR")
+    return manager
+
+
+def evaluate(model_dir: Path, tasks: list[str], manager: Any, batch_size: int,
+             limit: int | None) -> dict[str, dict[str, Any]]:
+    """``{task: {metric, value, stderr, items}}`` of the Hugging Face model in ``model_dir`` (fp32; on the GPU when
+    there is one); ``manager``: :func:`task_manager`'s."""
+    lm_eval = require_lm_eval()
+    import torch
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a compute node: the shipped task reads no network
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    log.info("lm-eval: %s on %s (%s)", ", ".join(tasks), model_dir, device)
+    out = lm_eval.simple_evaluate(model="hf", model_args={"pretrained": str(model_dir), "dtype": "float32"},
+                                  tasks=tasks, batch_size=batch_size, device=device, limit=limit,
+                                  task_manager=manager, log_samples=False)
+    return {task: {**headline(out["results"][task]), "items": out["n-samples"][task]["effective"]} for task in tasks}
+
+
+def headline(result: dict[str, Any]) -> dict[str, Any]:
+    """A task's headline metric from lm-eval's results: ``acc`` when it has one, else its first metric; with its
+    standard error (None when lm-eval gives none)."""
+    metrics = [k for k in result if "," in k and "_stderr," not in k and isinstance(result[k], (int, float))]
+    if not metrics:
+        raise ConfigError(f"lm-eval reported no metric for task {result.get('alias')!r}")
+    key = next((k for k in metrics if k.startswith("acc,")), metrics[0])
+    name, where = key.split(",", 1)
+    stderr = result.get(f"{name}_stderr,{where}")
+    return {"metric": name, "value": float(result[key]),
+            "stderr": float(stderr) if isinstance(stderr, (int, float)) else None}
+
+
+__all__ = ["INSTALL", "evaluate", "headline", "require_lm_eval", "task_manager"]
