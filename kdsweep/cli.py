@@ -7,6 +7,8 @@
                                    set KDSWEEP_STORAGE_URL to the full URL)
     kdsweep export <sweep or run dir> [--best | --trial N | --confirmed] [--out DIR]   the trained student as one
                                    ships it: merged model and tokenizer, adapter, model card
+    kdsweep prepare [--dry-run] <the sweep's overrides>   tokenize the data and build every teacher cache the sweep's
+                                   trials will read (sizes first), before the sweep
     kdsweep eval <model, run or sweep dir> ... [--tasks T,...]   downstream tasks through lm-evaluation-harness: the
                                    students beside CE-only and the undistilled base, one table
 """
@@ -17,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-SUBCOMMANDS = ("status", "resume", "logs", "dashboard", "export", "eval")
+SUBCOMMANDS = ("status", "resume", "logs", "dashboard", "export", "eval", "prepare")
 
 
 def _sweep_dir(args: list[str], command: str) -> Path:
@@ -117,8 +119,14 @@ def export(args: list[str]) -> None:
         print(f"{target}: merged/ (AutoModelForCausalLM, AutoTokenizer), README.md", flush=True)
 
 
+def prepare(args: list[str]) -> None:
+    from kdsweep.prepare import main as build
+
+    build(args)
+
+
 def evaluate(args: list[str]) -> None:
-    from kdsweep.eval.report import main as report
+    from kdsweep.evaluation.report import main as report
 
     report(args)
 
@@ -130,7 +138,7 @@ def main() -> None:
 
         try:
             {"status": status, "resume": resume, "logs": logs, "dashboard": dashboard, "export": export,
-             "eval": evaluate}[args[0]](args[1:])
+             "eval": evaluate, "prepare": prepare}[args[0]](args[1:])
         except ConfigError as e:
             print(f"kdsweep: error: {e}", file=sys.stderr)
             raise SystemExit(2) from None

@@ -208,7 +208,8 @@ def cached_teacher(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: R
     root = cache_root(cfg)
     digest = from_rank0(dist, "hash the teacher's files", lambda: teacher_hash(teacher_dir, root / "hashes"))
     used = torch.arange(len(data.train))
-    if cfg.teacher.cache.rows == "used":
+    prepared = (root / cache_key(spec, digest, data.cache_dir.name, "all")).is_dir()  # every row: `kdsweep prepare`
+    if cfg.teacher.cache.rows == "used" and not prepared:
         used = StepSampler(len(data.train), cfg.data.batch_size, cfg.train.seed).rows_of_first_steps(cfg.train.max_steps)
     # the rows it holds: all (shared by any run on these rows), or those of this seed, batch size and length
     coverage = "all" if len(used) == len(data.train) else {

@@ -172,7 +172,7 @@ def stand_ins(tmp_path_factory, zoo_dirs, other_teacher):
     cache_model(hf_home, "kdsweep-docs/tiny-teacher", zoo_dirs["teacher"])
     ckpts = root / "ckpts"
     ckpts.mkdir()
-    (ckpts / "Qwen2.5-0.5B").symlink_to(student)
+    (ckpts / "Qwen2.5-0.5B-Instruct").symlink_to(student)  # the chat recipes' student
     (ckpts / "Qwen2.5-7B-Instruct").symlink_to(zoo_dirs["teacher"])
 
     words = EMBEDDED_CORPUS.read_text().split()

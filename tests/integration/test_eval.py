@@ -7,7 +7,7 @@ import math
 import pytest
 
 from conftest import QUIET, kdsweep
-from kdsweep.eval.task import TASK
+from kdsweep.evaluation.task import TASK
 
 pytestmark = pytest.mark.slow
 

@@ -25,10 +25,13 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
+def models(tmp_path_factory, other_teacher):
+    from test_bad_input import without_template
+
     root = tmp_path_factory.mktemp("hint_models")
     save_arch(root / "gemma2", "gemma2", word_tokenizer(), hidden=32, layers=2)
     save_arch(root / "llama", "llama", word_tokenizer(), hidden=32, layers=2)
+    without_template(other_teacher, root / "other_no_template")  # the second embedded teacher carries one
     return root
 
 
@@ -53,7 +56,8 @@ CONFIG = {
                               "e.g. teachers.0.weight=1", ["teachers.0.weight=1"]),
     "teachers_negative_weight": (["teachers=[{{zoo:tiny-teacher,weight:1}},{{zoo:tiny-teacher-other,weight:-1}}]"],
                                  "teachers.1.weight=-1.0 is negative", ["teachers.1.weight=0.5"]),
-    "cross_chat_template": (["teacher=tiny_other", "data=chat", "data.datasets.0.path={root}/x_chat.jsonl",
+    "cross_chat_template": (["teacher.path={root}/other_no_template", "data=chat",
+                             "data.datasets.0.path={root}/x_chat.jsonl",
                              "data.chat_template={root}/x_student.jinja", "data.seq_len=128"],
                             "set teacher.chat_template", ["teacher.chat_template={root}/x_teacher.jinja"]),
     "teachers_rollout": (["teachers=[{{zoo:tiny-teacher}},{{zoo:tiny-teacher-other}}]", "rollout=on_policy"],

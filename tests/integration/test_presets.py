@@ -96,7 +96,7 @@ def checkpoints(tmp_path_factory):
     words = "the cat sat on a mat and then ran to see her friend who lives near old river bank".split()
     rows = [{"messages": [{"role": "user", "content": " ".join(words[i % 7:i % 7 + 6]) + "?"},
                           {"role": "assistant", "content": " ".join(words[i % 11:i % 11 + 8]) + "."}]}
-            for i in range(120)]
+            for i in range(48)]
     (root / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return root
 

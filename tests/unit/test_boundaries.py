@@ -31,7 +31,7 @@ def imported_after(statement: str) -> set[str]:
         ("kdsweep.losses", {"hydra", "omegaconf", "transformers", "peft", "kdsweep.config"}),
         ("kdsweep.losses.cross_tokenizer", {"hydra", "omegaconf", "transformers", "tokenizers", "kdsweep.config"}),
         ("kdsweep.teacher.align", {"torch", "transformers", "tokenizers", "hydra", "omegaconf"}),
-        ("kdsweep.eval.report", {"torch", "transformers", "lm_eval"}),  # `kdsweep eval --help` loads no model code
+        ("kdsweep.evaluation.report", {"torch", "transformers", "lm_eval"}),  # `kdsweep eval --help` loads no model code
     ],
 )
 def test_module_does_not_import(module, forbidden):

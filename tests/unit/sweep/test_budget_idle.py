@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from test_budget import FULL_S, MIXED, Clock, Simulated, spent, timed_sweep
+from test_budget import FULL_S, MIXED, Clock, Simulated, own_storage_env, spent, timed_sweep  # noqa: F401
+
+# own_storage_env (autouse): the controller exports the study's URL to its jobs; it must not outlive this module's
 
 
 class OnWorkers(Simulated):

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from kdsweep.eval.harness import headline
-from kdsweep.eval.report import Entry, compare, summary, table_lines
-from kdsweep.eval.task import CHOICES, CONTEXT_WORDS, TASK, items, task_dir
+from kdsweep.evaluation.harness import headline
+from kdsweep.evaluation.report import Entry, compare, summary, table_lines
+from kdsweep.evaluation.task import CHOICES, CONTEXT_WORDS, TASK, items, task_dir
 
 T_975_2DF = 4.303  # t(0.975, 2 df)
 
@@ -51,7 +51,8 @@ def test_a_model_s_interval_is_over_the_items_and_seeds_take_the_t_interval():
     assert versus["vs_base"] == pytest.approx(0.03)
     assert versus["vs_base_se"] == pytest.approx(0.03 / math.sqrt((sd / math.sqrt(3)) ** 2 + 0.012 ** 2))
     lines = table_lines([{**row, **versus}])
-    assert lines[1].strip() == f"three  0.5300 ± {row['half_width']:.4f}   vs base +0.0300 ({versus['vs_base_se']:+.1f} SE)"
+    expected = f"three  0.5300 ± {row['half_width']:.4f}   vs base +0.0300 ({versus['vs_base_se']:+.1f} SE)"
+    assert lines[1].strip() == expected
 
 
 def test_the_headline_is_acc_else_the_task_s_first_metric():

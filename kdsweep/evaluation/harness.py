@@ -1,4 +1,4 @@
-"""One model on lm-evaluation-harness tasks: the shipped task (:mod:`kdsweep.eval.task`), tasks in a user's own
+"""One model on lm-evaluation-harness tasks: the shipped task (:mod:`kdsweep.evaluation.task`), tasks in a user's own
 YAML directory (``include``), or any task lm-eval ships (those read their datasets through the Hugging Face cache)."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def task_manager(tasks: list[str], include: list[Path]) -> Any:
     only when a task is not among those. An unknown task is one line."""
     from lm_eval.tasks import TaskManager
 
-    from kdsweep.eval.task import TASK, task_dir
+    from kdsweep.evaluation.task import TASK, task_dir
 
     paths = [str(task_dir()), *map(str, include)]
     manager = TaskManager(include_path=paths, include_defaults=False)

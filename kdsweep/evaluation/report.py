@@ -133,8 +133,8 @@ def table_lines(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def main(args: list[str]) -> None:
-    from kdsweep.eval.harness import evaluate, require_lm_eval, task_manager
-    from kdsweep.eval.task import TASK
+    from kdsweep.evaluation.harness import evaluate, require_lm_eval, task_manager
+    from kdsweep.evaluation.task import TASK
 
     parser = argparse.ArgumentParser(prog="kdsweep eval", description="Trained students on downstream tasks through "
                                      "lm-evaluation-harness, beside CE-only and the undistilled base.")

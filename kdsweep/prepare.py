@@ -1,0 +1,156 @@
+"""``kdsweep prepare <the sweep's overrides>``: build what a sweep's trials read, before the sweep.
+
+It composes the same command a sweep composes (``hparams_search=...``, ``teacher.logits=cache``, the data and the
+models) and, in this process, tokenizes the data and builds every teacher cache its trials will read, each over
+every training row (``teacher.cache.rows=all``): a cache of all rows does not depend on a trial's seed, steps or
+batch size, and a trial that finds one reads it instead of building its own rows' (``teacher.job.cached_teacher``).
+One cache per value of a searched knob that is part of a cache's key (``teacher.cache.*``, the loss's temperature
+for ``sample`` and ``topk``, the data, the models, ``train.dtype``): a ``choice`` of them builds each; a continuous
+interval is refused with the fix. It prints first what it will write, per cache, at the data's token count (bytes
+per position × positions: what the files weigh), and refuses what the disk cannot hold (``teacher.build``'s check).
+``--dry-run`` prints that and stops (the data is tokenized: its token count needs it).
+
+On a cluster it runs where the teacher fits: ``srun --gpus=1 kdsweep prepare ...`` or a line of an sbatch script,
+on a node that sees the cache directory the trials read (``teacher.cache.dir``, default ``$KDSWEEP_CACHE/teacher``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from kdsweep.config.schema import ConfigError, RunConfig
+
+log = logging.getLogger(__name__)
+
+KEY_KNOBS = ("teacher.", "teachers", "data.", "model.path", "model.zoo", "train.dtype", "loss.temperature",
+             "loss.ignore_index")
+"""Knobs whose value changes a teacher cache's key or the tokenization's (the rest only change how trials train)."""
+NOT_KEY = ("teacher.cache.rows", "data.batch_size", "data.micro_batch_size", "data.eval_batch_size")
+"""...except these: a prepared cache holds every row, whatever the steps read and however they are batched."""
+
+
+def compose(overrides: list[str]) -> Any:
+    """The job config and the sweeper's search space that ``python -m kdsweep -m OVERRIDES`` would compose."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    from kdsweep.app import conf_dir
+
+    with initialize_config_dir(config_dir=conf_dir(), version_base=None):
+        return hydra_compose(config_name="config", overrides=overrides, return_hydra_config=True)
+
+
+def _in_key(key: str, cfg: RunConfig) -> bool:
+    if not key.startswith(KEY_KNOBS) or key.startswith(NOT_KEY):
+        return False
+    if key == "loss.temperature":  # sample's draws and topk's log-probabilities are taken at it; full keeps logits
+        return cfg.teacher.cache.method != "full" and cfg.teacher.cache.temperature is None
+    return True
+
+
+def points(overrides: list[str], base: RunConfig) -> list[list[str]]:
+    """One list of overrides per cache the sweep's trials will read: every combination of the searched knobs in a
+    cache's key (a choice or an integer range; a continuous interval is refused)."""
+    from kdsweep.sweep.space import parse_space
+
+    cfg = compose(overrides)
+    params = dict(cfg.hydra.sweeper.get("params") or {}) if "params" in cfg.hydra.sweeper else {}
+    axes = []
+    for p in parse_space({k: str(v) for k, v in params.items()}):
+        if not _in_key(p.key, base):
+            continue
+        if p.kind == "float":
+            raise ConfigError(f"hydra.sweeper.params.{p.key}: a continuous interval over a knob of the teacher cache's "
+                              "key needs a cache per value; search a choice(...) of values instead, or use "
+                              "teacher.cache.method=full (any temperature) or teacher.logits=live")
+        values = p.choices if p.kind == "categorical" else range(int(p.low), int(p.high) + 1, int(p.step or 1))
+        axes.append([f"{p.key}={v}" for v in values])
+    return [list(combo) for combo in itertools.product(*axes)]
+
+
+def job_config(overrides: list[str], extra: list[str], where: str) -> RunConfig:
+    """The RunConfig of one trial of the sweep at ``extra``, reading every row (validated as a job is)."""
+    from kdsweep.app import validate_composed
+
+    return validate_composed(compose([*overrides, *extra, "teacher.cache.rows=all"]), where)
+
+
+def sizes(cfg: RunConfig) -> list[dict[str, Any]]:
+    """What each teacher of ``cfg`` would write (its cache's spec at the data's positions), tokenizing the data."""
+    from kdsweep.models.check import cross_tokenizer
+    from kdsweep.models.load import resolve_dir
+    from kdsweep.teacher.cache import Spec
+    from kdsweep.teacher.job import vocab_size
+    from kdsweep.train.kept import Kept
+    from kdsweep.train.sources import open_data
+
+    student_dir = resolve_dir(cfg.model)
+    _, data = open_data(cfg, student_dir, Kept.one_run())
+    positions = int(data.train.lengths.sum()) + int(data.eval.lengths.sum())
+    out = []
+    for _, view in cfg.teacher_views():
+        teacher_dir = resolve_dir(view.teacher, "teacher")
+        if cross_tokenizer(view):
+            from kdsweep.teacher.job import cross_pair
+            from kdsweep.distributed.env import device_for, single_process
+
+            pair = cross_pair(view, teacher_dir, student_dir, data, device_for("cpu", single_process()))
+            spec = Spec.of(view, pair.teacher_vocab, aligned=True)
+        else:
+            spec = Spec.of(view, min(vocab_size(teacher_dir), vocab_size(student_dir)))
+        out.append({"teacher": str(teacher_dir), "spec": spec.describe(), "positions": positions,
+                    "bytes_per_position": spec.bytes_per_position(), "bytes": positions * spec.bytes_per_position()})
+    return out
+
+
+def build(cfg: RunConfig) -> list[dict[str, Any]]:
+    """Tokenize and build (or find) every teacher cache of ``cfg`` in this process; what each teacher's record says."""
+    from kdsweep.distributed.env import device_for, single_process
+    from kdsweep.train.kept import Kept
+    from kdsweep.train.sources import open_sources
+
+    dist = single_process()
+    src = open_sources(cfg, dist, device_for(cfg.train.device, dist), Kept.one_run(), None)
+    return [src.teacher.record]
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1024 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TB"
+
+
+def main(args: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="kdsweep prepare", description="Tokenize the data and build every teacher "
+                                     "cache a sweep's trials will read, before the sweep.")
+    parser.add_argument("--dry-run", action="store_true", help="print what it would write, and stop")
+    parser.add_argument("-m", "--multirun", action="store_true", help="ignored: the sweep's command, as typed")
+    parser.add_argument("overrides", nargs="*", help="the sweep's overrides (hparams_search=..., teacher.logits=cache)")
+    ns = parser.parse_args(args)
+    overrides = list(ns.overrides)
+    with tempfile.TemporaryDirectory(prefix="kdsweep-prepare-") as where:
+        base = job_config(overrides, [], where)
+        if base.teacher.logits != "cache":
+            raise ConfigError("kdsweep prepare builds teacher caches, and this command's teacher.logits is "
+                              f"{base.teacher.logits}; pass teacher.logits=cache (as the sweep will)")
+        configs = [job_config(overrides, extra, where) for extra in points(overrides, base)]
+        plans = [(cfg, sizes(cfg)) for cfg in configs]
+        for cfg, caches in plans:
+            for c in caches:
+                print(f"teacher cache: {c['spec']} over {c['positions']} positions: {_size(c['bytes'])} "
+                      f"({c['bytes']} bytes; {c['teacher']})", flush=True)
+        if ns.dry_run:
+            return
+        for cfg, _ in plans:
+            for record in build(cfg):
+                state = "built" if record["built"] else "found"
+                print(f"teacher cache {state}: {record['dir']}", flush=True)
+
+
+__all__ = ["KEY_KNOBS", "build", "main", "points", "sizes"]
