@@ -10,8 +10,9 @@ interval is refused with the fix. It prints first what it will write, per cache,
 per position × positions: what the files weigh), and refuses what the disk cannot hold (``teacher.build``'s check).
 ``--dry-run`` prints that and stops (the data is tokenized: its token count needs it).
 
-On a cluster it runs where the teacher fits: ``srun --gpus=1 kdsweep prepare ...`` or a line of an sbatch script,
-on a node that sees the cache directory the trials read (``teacher.cache.dir``, default ``$KDSWEEP_CACHE/teacher``).
+With ``hydra/launcher=submitit_slurm`` (the sweep's own launcher settings: partition, gres, time, setup) the builds
+run as one SLURM job of one task, which ``prepare`` waits for; otherwise in this process. The job's node must see the
+cache directory the trials read (``teacher.cache.dir``, default ``$KDSWEEP_CACHE/teacher``).
 """
 
 from __future__ import annotations
@@ -108,14 +109,16 @@ def sizes(cfg: RunConfig) -> list[dict[str, Any]]:
 
 
 def build(cfg: RunConfig) -> list[dict[str, Any]]:
-    """Tokenize and build (or find) every teacher cache of ``cfg`` in this process; what each teacher's record says."""
+    """Tokenize and build (or find) every teacher cache of ``cfg`` in this process; what each teacher's record says
+    (several teachers: each one's)."""
     from kdsweep.distributed.env import device_for, single_process
     from kdsweep.train.kept import Kept
     from kdsweep.train.sources import open_sources
 
     dist = single_process()
     src = open_sources(cfg, dist, device_for(cfg.train.device, dist), Kept.one_run(), None)
-    return [src.teacher.record]
+    record = src.teacher.record
+    return record["teachers"] if record.get("source") == "mixture" else [record]
 
 
 def _size(n: float) -> str:
@@ -126,11 +129,43 @@ def _size(n: float) -> str:
     return f"{n:.1f} TB"
 
 
+class PrepareJob:
+    """What the SLURM job of ``kdsweep prepare ... hydra/launcher=submitit_slurm`` runs: the same command, here."""
+
+    def __call__(self, args: list[str]) -> None:
+        main(["--here", *args])
+
+
+def submit(cfg: Any, args: list[str], cache_dir: Path) -> None:
+    """Run the builds as one SLURM job with the launcher's settings (one task: the builds run in one process), wait
+    for it, and print what it printed."""
+    from omegaconf import OmegaConf, open_dict
+
+    from kdsweep.sweep.slurm import SlurmJobs
+
+    with open_dict(cfg):
+        cfg.hydra.launcher.update(tasks_per_node=1, nodes=1, submitit_folder=str(cache_dir / "prepare-jobs" / "%j"))
+    jobs = SlurmJobs(OmegaConf.to_container(cfg.hydra.launcher, resolve=True), "kdsweep-prepare")
+    jobs.preflight()
+    job = jobs.submit("kdsweep-prepare", "the prepare job", PrepareJob(), args)
+    print(f"prepare: SLURM job {job.job_id} builds them (log: {job.paths.stdout})", flush=True)
+    try:
+        job.result()
+    except Exception as e:  # noqa: BLE001 - submitit raises the job's own error, or its scheduler state
+        lines = [line for line in str(e).strip().splitlines() if line.strip()]
+        raise ConfigError(f"the prepare job {job.job_id} failed ({lines[-1][:300] if lines else type(e).__name__}); "
+                          f"see {job.paths.stdout}") from None
+    for line in job.paths.stdout.read_text().splitlines():
+        if line.startswith("teacher cache "):
+            print(line, flush=True)
+
+
 def main(args: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="kdsweep prepare", description="Tokenize the data and build every teacher "
                                      "cache a sweep's trials will read, before the sweep.")
     parser.add_argument("--dry-run", action="store_true", help="print what it would write, and stop")
     parser.add_argument("-m", "--multirun", action="store_true", help="ignored: the sweep's command, as typed")
+    parser.add_argument("--here", action="store_true", help="build in this process whatever hydra/launcher says")
     parser.add_argument("overrides", nargs="*", help="the sweep's overrides (hparams_search=..., teacher.logits=cache)")
     ns = parser.parse_args(args)
     overrides = list(ns.overrides)
@@ -146,6 +181,12 @@ def main(args: list[str]) -> None:
                 print(f"teacher cache: {c['spec']} over {c['positions']} positions: {_size(c['bytes'])} "
                       f"({c['bytes']} bytes; {c['teacher']})", flush=True)
         if ns.dry_run:
+            return
+        composed = compose(overrides)
+        if not ns.here and str(composed.hydra.launcher.get("_target_", "")).endswith(".SlurmLauncher"):
+            from kdsweep.teacher.cache import cache_root
+
+            submit(composed, overrides, cache_root(base))
             return
         for cfg, _ in plans:
             for record in build(cfg):

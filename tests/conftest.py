@@ -54,8 +54,8 @@ LONGEST_FIRST = [f"tests/integration/test_{name}.py" for name in (
     "architectures", "slurm_cluster", "presets",  # no embedded model
     # then by CI's per-file times, the SHARED pairs summed
     "launch", "multirank", "teacher_cache", "teacher_placement", "rollout", "cross_tokenizer", "sweep", "analysis",
-    "hf_models", "workers", "docs", "rank_failures", "cli_run", "slurm_workers", "slurm_confirm", "budget_mixed",
-    "data_jobs", "eval", "gpu_check", "rank0_waits",
+    "hf_models", "workers", "verdict", "docs", "rank_failures", "cli_run", "slurm_workers", "slurm_confirm",
+    "prepare", "budget_mixed", "data_jobs", "eval", "gpu_check", "rank0_waits",
     "slurm_sweep", "bad_input")]
 
 

@@ -1,5 +1,5 @@
-"""`kdsweep prepare`, then the sweep on the real local SLURM cluster: prepare tokenizes the data and builds the
-teacher cache of every value of a searched knob in the cache's key (here the loss's temperature, which `sample`
+"""`kdsweep prepare`, then the sweep on the real local SLURM cluster: prepare tokenizes the data and builds (as one
+SLURM job of the sweep's launcher settings) the teacher cache of every value of a searched knob in the cache's key (here the loss's temperature, which `sample`
 draws at), once, and prints first what it will write; the sweep's trials read those caches and compute no teacher
 token. A continuous search over such a knob is refused with the fix."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import kdsweep, read_run
-from test_slurm_jobs import ONE_THREAD
+from test_slurm_jobs import ONE_THREAD, sacct_states
 from test_sweep import manifest, search
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
 def args_for(tmp_path, temperature: str) -> list[str]:
     points = [{"kd_ratio": k, "loss.temperature": t} for k in (0.3, 0.7) for t in (1.0, 2.0)]
     return [*search(tmp_path, "prepared", {
-        "n_trials": 4, "max_concurrent": 2, "workers": 0, "sampler": "random", "pruner": "none",
+        "n_trials": 4, "max_concurrent": 2, "workers": 2, "sampler": "random", "pruner": "none",
         "confirm": {"top": 0}, "params": {"kd_ratio": "choice(0.3,0.7)", "loss.temperature": temperature},
         "enqueue": points,
     }, {"train": {"max_steps": 4, "eval_every": 4}}), "teacher.logits=cache",
@@ -32,18 +32,19 @@ def test_prepare_builds_each_cache_once_and_the_sweep_s_trials_only_read_them(tm
     planned = [int(b) for b in re.findall(r"over \d+ positions: .* \((\d+) bytes; ", dry.stdout)]
     assert len(planned) == 2 and "k=12 draws at T=1," in dry.stdout and "k=12 draws at T=2," in dry.stdout
     assert not (tmp_path / "teacher_cache").exists() or not any((tmp_path / "teacher_cache").glob("*/meta.json"))
-    out = kdsweep("prepare", *args, cwd=tmp_path)
+    slurm = ["hydra/launcher=submitit_slurm", "cluster=local_cpu"]
+    out = kdsweep("prepare", *args, *slurm, cwd=tmp_path)  # one SLURM job of the sweep's launcher settings
+    job = re.search(r"prepare: SLURM job (\d+) builds them", out.stdout)
+    assert job and sacct_states(job[1])[job[1]] == "COMPLETED", out.stdout
     built = re.findall(r"teacher cache built: (\S+)", out.stdout)
     assert len(built) == 2 and len(set(built)) == 2, out.stdout
     for path, size in zip(built, planned):  # what --dry-run said, within 5% of the files written
         written = sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
         assert abs(written - size) <= 0.05 * size, (written, size)
-    again = kdsweep("prepare", *args, cwd=tmp_path)  # built once: a second prepare finds them
-    assert re.findall(r"teacher cache found: (\S+)", again.stdout) == built
 
     sweep_dir = tmp_path / "sweep"
-    kdsweep(*args, *ONE_THREAD, "hydra/launcher=submitit_slurm", "cluster=local_cpu",
-            "hydra.launcher.tasks_per_node=1", f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path, timeout=900)
+    kdsweep(*args, *ONE_THREAD, *slurm, "hydra.launcher.tasks_per_node=1", f"hydra.sweep.dir={sweep_dir}",
+            cwd=tmp_path, timeout=900)
     trials = manifest(sweep_dir)["trials"]
     assert len(trials) == 4 and all(t["state"] == "COMPLETE" for t in trials.values())
     by_temperature = {}
