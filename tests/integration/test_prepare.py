@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import kdsweep, read_run
-from test_slurm_jobs import ONE_THREAD, sacct_states
+from test_slurm_jobs import ONE_THREAD, wait_for_states
 from test_sweep import manifest, search
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
@@ -35,7 +35,8 @@ def test_prepare_builds_each_cache_once_and_the_sweep_s_trials_only_read_them(tm
     slurm = ["hydra/launcher=submitit_slurm", "cluster=local_cpu"]
     out = kdsweep("prepare", *args, *slurm, cwd=tmp_path)  # one SLURM job of the sweep's launcher settings
     job = re.search(r"prepare: SLURM job (\d+) builds them", out.stdout)
-    assert job and sacct_states(job[1])[job[1]] == "COMPLETED", out.stdout
+    assert job, out.stdout  # prepare returns with the job's result; SLURM may still be ending the job
+    assert wait_for_states(job[1], {"COMPLETED"}).get(job[1]) == "COMPLETED", out.stdout
     built = re.findall(r"teacher cache built: (\S+)", out.stdout)
     assert len(built) == 2 and len(set(built)) == 2, out.stdout
     for path, size in zip(built, planned):  # what --dry-run said, within 5% of the files written
