@@ -53,12 +53,11 @@ def _in_key(key: str, cfg: RunConfig) -> bool:
     return True
 
 
-def points(overrides: list[str], base: RunConfig) -> list[list[str]]:
+def points(cfg: Any, base: RunConfig) -> list[list[str]]:
     """One list of overrides per cache the sweep's trials will read: every combination of the searched knobs in a
-    cache's key (a choice or an integer range; a continuous interval is refused)."""
+    cache's key (a choice or an integer range; a continuous interval is refused). ``cfg``: :func:`compose`'s."""
     from kdsweep.sweep.space import parse_space
 
-    cfg = compose(overrides)
     params = dict(cfg.hydra.sweeper.get("params") or {}) if "params" in cfg.hydra.sweeper else {}
     axes = []
     for p in parse_space({k: str(v) for k, v in params.items()}):
@@ -121,14 +120,6 @@ def build(cfg: RunConfig) -> list[dict[str, Any]]:
     return record["teachers"] if record.get("source") == "mixture" else [record]
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1024 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TB"
-
-
 class PrepareJob:
     """What the SLURM job of ``kdsweep prepare ... hydra/launcher=submitit_slurm`` runs: the same command, here."""
 
@@ -167,22 +158,24 @@ def main(args: list[str]) -> None:
     parser.add_argument("-m", "--multirun", action="store_true", help="ignored: the sweep's command, as typed")
     parser.add_argument("--here", action="store_true", help="build in this process whatever hydra/launcher says")
     parser.add_argument("overrides", nargs="*", help="the sweep's overrides (hparams_search=..., teacher.logits=cache)")
+    from kdsweep.teacher.check import size
+
     ns = parser.parse_args(args)
     overrides = list(ns.overrides)
+    composed = compose(overrides)
     with tempfile.TemporaryDirectory(prefix="kdsweep-prepare-") as where:
         base = job_config(overrides, [], where)
         if base.teacher.logits != "cache":
             raise ConfigError("kdsweep prepare builds teacher caches, and this command's teacher.logits is "
                               f"{base.teacher.logits}; pass teacher.logits=cache (as the sweep will)")
-        configs = [job_config(overrides, extra, where) for extra in points(overrides, base)]
+        configs = [job_config(overrides, extra, where) for extra in points(composed, base)]
         plans = [(cfg, sizes(cfg)) for cfg in configs]
         for cfg, caches in plans:
             for c in caches:
-                print(f"teacher cache: {c['spec']} over {c['positions']} positions: {_size(c['bytes'])} "
+                print(f"teacher cache: {c['spec']} over {c['positions']} positions: {size(c['bytes'])} "
                       f"({c['bytes']} bytes; {c['teacher']})", flush=True)
         if ns.dry_run:
             return
-        composed = compose(overrides)
         if not ns.here and str(composed.hydra.launcher.get("_target_", "")).endswith(".SlurmLauncher"):
             from kdsweep.teacher.cache import cache_root
 

@@ -59,13 +59,11 @@ def pick(path: Path, trial: int | None, confirmed: bool) -> tuple[list[tuple[str
         return [(f"trial{trial}", Path(trials[str(trial)]["run_dir"]))], about
     plan = manifest.data.get("confirmation") or {}
     if confirmed:
-        label = verdict.get("best")
-        runs = sorted((t for t in trials.values() if label and (t.get("confirm") or {}).get("label") == label
-                       and t["confirm"]["seed"] is not None and t["state"] == "COMPLETE"), key=lambda t: t["number"])
-        if not label or not runs:
+        runs = confirmed_runs(manifest, verdict.get("best"))
+        if not runs:
             raise ConfigError(f"{path} has no confirmed point (no verdict, or none of its seeds completed): "
                               "export --best or --trial N")
-        return [(f"{label}-seed{t['confirm']['seed']}", Path(t["run_dir"])) for t in runs], about
+        return runs, about
     if plan.get("points"):  # the point the verdict reports: the search's best, fixed before its confirmation
         number = plan["points"][0]["search_trial"]
     elif len(manifest.data["settings"]["directions"]) > 1:
@@ -73,6 +71,14 @@ def pick(path: Path, trial: int | None, confirmed: bool) -> tuple[list[tuple[str
     elif (number := search_best(manifest)) is None:
         raise ConfigError(f"{path} has no completed search trial yet: nothing to export")
     return [(f"trial{number}", Path(trials[str(number)]["run_dir"]))], about
+
+
+def confirmed_runs(manifest: Any, label: str | None) -> list[tuple[str, Path]]:
+    """Every completed seed of the confirmation's point ``label`` (``<label>-seed<s>`` and its run directory), in
+    trial order; none for no label."""
+    runs = sorted((t for t in manifest.trials.values() if label and (t.get("confirm") or {}).get("label") == label
+                   and t["confirm"]["seed"] is not None and t["state"] == "COMPLETE"), key=lambda t: t["number"])
+    return [(f"{label}-seed{t['confirm']['seed']}", Path(t["run_dir"])) for t in runs]
 
 
 def _student(record: dict[str, Any], run_dir: Path) -> tuple[Any, Any, str]:
@@ -163,4 +169,4 @@ def export_runs(path: Path, out: Path | None, trial: int | None, confirmed: bool
     return done
 
 
-__all__ = ["CARD", "card", "completed_record", "export_run", "export_runs", "pick"]
+__all__ = ["CARD", "card", "completed_record", "confirmed_runs", "export_run", "export_runs", "pick"]

@@ -51,7 +51,7 @@ def _run_model(run_dir: Path, name: str) -> tuple[Path, str | None]:
 
 def _sweep_entries(sweep_dir: Path) -> list[Entry]:
     """The confirmed point's seeds and CE-only's, or (no confirmation) the search's best."""
-    from kdsweep.checkpoint.package import pick
+    from kdsweep.checkpoint.package import confirmed_runs, pick
     from kdsweep.sweep.confirm import BASELINE
     from kdsweep.sweep.manifest import Manifest
 
@@ -63,9 +63,7 @@ def _sweep_entries(sweep_dir: Path) -> list[Entry]:
         return [Entry(f"{sweep_dir.name}/{name}", [model], base)]
     entries = []
     for label in (best, BASELINE):
-        runs = sorted((t for t in manifest.trials.values() if (t.get("confirm") or {}).get("label") == label
-                       and t["confirm"]["seed"] is not None and t["state"] == "COMPLETE"), key=lambda t: t["number"])
-        made = [_run_model(Path(t["run_dir"]), f"{label}-seed{t['confirm']['seed']}") for t in runs]
+        made = [_run_model(run_dir, name) for name, run_dir in confirmed_runs(manifest, label)]
         if made:
             entries.append(Entry(f"{label} ({len(made)} seed{'s' * (len(made) > 1)})", [m for m, _ in made],
                                  made[0][1]))
