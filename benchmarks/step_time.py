@@ -166,6 +166,7 @@ def limit_job(pair: str, work: Path, steps: int, out: Path) -> float:
     else:
         student, v = str(build_vocab512(work) / "student"), {"micro": [1, VOCAB512["micro"], VOCAB512["seq"]]}
         lora = dict(r=8, lora_alpha=16.0, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    out.parent.mkdir(parents=True, exist_ok=True)
     arg = json.dumps({"student": student, "lora": lora, "micro": v["micro"], "steps": steps, "lr": 1e-3,
                       "out": str(out)})
     subprocess.run([sys.executable, __file__, "--limit-job", arg], check=True, env={**os.environ,

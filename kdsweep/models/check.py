@@ -39,20 +39,42 @@ def check_model_dir(section: str, path: str, d: Path | None = None) -> dict[str,
 
 
 def tokenizer_fingerprint(section: str, path: str) -> tuple[str, int]:
-    """(hash of the vocabulary, vocabulary size including added tokens) of the tokenizer saved in ``path``."""
+    """(hash of the vocabulary, vocabulary size including added tokens) of the tokenizer saved in ``path``.
+
+    Computed once per file in a process (a job's checks ask for it several times, and a real tokenizer.json is
+    10-35 MB of JSON: ~1 s a parse), and once per content (a teacher and a student of one family hold the same file):
+    a file rewritten in place has another size or mtime, so it is read again."""
     d = Path(path)
-    if (d / "tokenizer.json").is_file():
-        tok = json.loads((d / "tokenizer.json").read_text())
-        vocab = dict(tok["model"].get("vocab") or {})
-        if isinstance(tok["model"].get("vocab"), list):  # unigram: [[piece, score], ...]
-            vocab = {piece: i for i, (piece, _) in enumerate(tok["model"]["vocab"])}
-        vocab.update({t["content"]: t["id"] for t in tok.get("added_tokens", [])})
-        blob = json.dumps(sorted(vocab.items(), key=lambda kv: kv[1])).encode()
-        return hashlib.sha256(blob).hexdigest(), max(vocab.values()) + 1 if vocab else 0
-    if (d / "tokenizer.model").is_file():
-        blob = (d / "tokenizer.model").read_bytes()
-        return hashlib.sha256(blob).hexdigest(), -1
-    raise ConfigError(f"{section}.path={path} has no tokenizer (tokenizer.json or tokenizer.model); save one beside the model")
+    for name in ("tokenizer.json", "tokenizer.model"):
+        if (d / name).is_file():
+            stat = (d / name).stat()
+            return _file_fingerprint(str((d / name).resolve()), stat.st_size, stat.st_mtime_ns)
+    raise ConfigError(f"{section}.path={path} has no tokenizer (tokenizer.json or tokenizer.model); "
+                      "save one beside the model")
+
+
+_BY_CONTENT: dict[bytes, tuple[str, int]] = {}
+"""A tokenizer file's sha256 -> its fingerprint (:func:`tokenizer_fingerprint`)."""
+
+
+@functools.lru_cache(maxsize=32)
+def _file_fingerprint(file: str, size: int, mtime_ns: int) -> tuple[str, int]:
+    del size, mtime_ns  # the cache's key: the file as it is now
+    raw = Path(file).read_bytes()
+    digest = hashlib.sha256(raw).digest()
+    if digest not in _BY_CONTENT:
+        _BY_CONTENT[digest] = _vocab_fingerprint(raw) if file.endswith(".json") else (digest.hex(), -1)
+    return _BY_CONTENT[digest]
+
+
+def _vocab_fingerprint(raw: bytes) -> tuple[str, int]:
+    tok = json.loads(raw)
+    vocab = dict(tok["model"].get("vocab") or {})
+    if isinstance(tok["model"].get("vocab"), list):  # unigram: [[piece, score], ...]
+        vocab = {piece: i for i, (piece, _) in enumerate(tok["model"]["vocab"])}
+    vocab.update({t["content"]: t["id"] for t in tok.get("added_tokens", [])})
+    blob = json.dumps(sorted(vocab.items(), key=lambda kv: kv[1])).encode()
+    return hashlib.sha256(blob).hexdigest(), max(vocab.values()) + 1 if vocab else 0
 
 
 def _launching() -> bool:
