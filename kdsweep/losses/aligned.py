@@ -186,6 +186,7 @@ class Aligned:
     exact: bool = True
     """False for a sparse cache's targets (top k and a tail spread evenly, or draws)."""
     measured = True
+    picks = None
 
     def __len__(self) -> int:
         return self.n

@@ -67,64 +67,74 @@ def log_probs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
 
 
 class _LogProbsOnce(torch.autograd.Function):
-    """The student's log-probabilities at T (and, given labels, its CE at T = 1 from them), for a graph differentiated
-    once (a training step's): the backward writes the whole gradient with respect to the logits into the
-    log-probabilities' own memory, ``g − p·(Σg − c) − c·onehot(label)`` (g the gradient reaching the log-probs, c the
-    CE's weight on valid rows), so no other ``[n, V]`` tensor exists for it: torch's log-softmax backward allocates
-    one and the CE's ``nll_loss`` backward another, and their sum a third. A second backward raises torch's in-place
-    error."""
+    """The student's log-probabilities at T (and, given labels, its CE at T = 1 from them; given ``picks`` ``[n, k]``,
+    the log-probs at those ids), for a graph differentiated once (a training step's): the backward writes the whole
+    gradient with respect to the logits into the log-probabilities' own memory, ``g − p·(Σg − c) − c·onehot(label)``
+    (g the gradient reaching the log-probs, the picked ones' scattered in; c the CE's weight on valid rows), so no
+    other ``[n, V]`` tensor exists for it: torch's log-softmax backward allocates one, the CE's ``nll_loss`` backward
+    another, a gather's backward a zero-filled third, and their sum a fourth. A divergence that reads only the
+    picked log-probs (a sampled cache's) sends no ``[n, V]`` gradient at all. A second backward raises torch's
+    in-place error."""
 
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, temperature: float, labels: torch.Tensor | None,
-                ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+                ignore_index: int, picks: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         out = F.log_softmax(_tempered(logits, temperature), dim=-1)
         ce = out.new_zeros(())
+        at = valid = None
         if labels is not None:
             valid = labels != ignore_index
             at = torch.where(valid, labels, 0).unsqueeze(-1)
             ce = -torch.where(valid, out.gather(-1, at).squeeze(-1), 0.0).sum()
-            ctx.save_for_backward(out, at, valid)
-        else:
-            ctx.save_for_backward(out)
+        picked = out.gather(-1, picks) if picks is not None else None
+        ctx.save_for_backward(out, at, valid, picks)
         ctx.temperature, ctx.dtype = temperature, logits.dtype
         ctx.set_materialize_grads(False)
-        return out, ce
+        return out, ce, picked
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor | None, grad_ce: torch.Tensor | None) -> tuple[Any, ...]:
-        out, *label_info = ctx.saved_tensors
+    def backward(ctx: Any, grad: torch.Tensor | None, grad_ce: torch.Tensor | None,
+                 grad_picked: torch.Tensor | None) -> tuple[Any, ...]:
+        out, at, valid, picks = ctx.saved_tensors
         c = None
-        if grad_ce is not None and label_info:
-            at, valid = label_info
+        if grad_ce is not None and at is not None:
             c = torch.where(valid, grad_ce, 0.0).to(out.dtype).unsqueeze(-1)  # [n, 1]
-        if grad is None and c is None:
-            return None, None, None, None
+        if grad is None and c is None and grad_picked is None:
+            return None, None, None, None, None
         coef = grad.sum(-1, keepdim=True) if grad is not None else out.new_zeros(out.shape[0], 1)
+        if grad_picked is not None:
+            coef = coef + grad_picked.sum(-1, keepdim=True)
         if c is not None:
             coef = coef - c
         grad_in = out.exp_().mul_(coef.neg_())  # −p·(Σg − c), in the log-probs' memory
         if grad is not None:
             grad_in.add_(grad)
+        if grad_picked is not None:
+            grad_in.scatter_add_(-1, picks, grad_picked.to(out.dtype))
         if c is not None:
             grad_in.scatter_add_(-1, at, -c)
         if ctx.temperature != 1.0:
             grad_in.div_(ctx.temperature)
-        return grad_in.to(ctx.dtype), None, None, None
+        return grad_in.to(ctx.dtype), None, None, None, None
 
 
 def student_log_probs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
-                      ignore_index: int = -100, once: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``([n, V] log_softmax(logits / T), Σ over valid tokens of the CE at T = 1)`` of the student's logits ``[n, V]``
-    and labels ``[n]``; ``once``: the graph is differentiated once (a training step's), so the backward needs no
-    ``[n, V]`` tensor beyond the log-probabilities' own (:class:`_LogProbsOnce`)."""
+                      ignore_index: int = -100, once: bool = False,
+                      picks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``([n, V] log_softmax(logits / T), Σ over valid tokens of the CE at T = 1, [n, k] the log-probs at picks)`` of
+    the student's logits ``[n, V]`` and labels ``[n]`` (None for the picked ones without ``picks`` ``[n, k]`` int64);
+    ``once``: the graph is differentiated once (a training step's), so the backward needs no ``[n, V]`` tensor beyond
+    the log-probabilities' own (:class:`_LogProbsOnce`)."""
     if once and logits.requires_grad and torch.is_grad_enabled():
-        log_q, ce = _LogProbsOnce.apply(logits, temperature, labels if temperature == 1.0 else None, ignore_index)
+        log_q, ce, picked = _LogProbsOnce.apply(logits, temperature, labels if temperature == 1.0 else None,
+                                                ignore_index, picks)
     else:  # the tempered log-probs are the T=1 ones at T=1: reused for CE
         log_q = log_probs(logits, temperature)
         ce = F.nll_loss(log_q, labels, ignore_index=ignore_index, reduction="sum") if temperature == 1.0 else None
+        picked = log_q.gather(-1, picks) if picks is not None else None
     if temperature != 1.0:  # the CE is at T = 1
         ce = F.cross_entropy(upcast(logits), labels, ignore_index=ignore_index, reduction="sum")
-    return log_q, ce
+    return log_q, ce, picked
 
 
 def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -153,10 +153,12 @@ def kd_loss_sums(
         (s_c, y_c), pieces[i] = pieces[i], None
         s_c = s_c[..., : min(s_c.shape[-1], t_c.vocab)]
         valid = valid_mask(y_c, ignore_index)
-        log_p_s, ce_c = student_log_probs(s_c, y_c, temperature=temperature, ignore_index=ignore_index, once=once)
+        log_p_s, ce_c, picked = student_log_probs(s_c, y_c, temperature=temperature, ignore_index=ignore_index,
+                                                  once=once, picks=t_c.picks)
         ce = ce + ce_c
         del s_c
-        d = t_c.divergence(log_p_s, divergence, beta, temperature)
+        d = (t_c.divergence(log_p_s, divergence, beta, temperature) if picked is None
+             else t_c.picked_divergence(picked, divergence, beta, temperature))
         kd = kd + torch.where(valid, d, 0.0).sum()
         with torch.no_grad():
             if not t_c.measured:  # no teacher (kd_ratio=0's training steps): no distance to it, and none computed

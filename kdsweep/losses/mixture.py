@@ -29,6 +29,8 @@ class Mixture:
     """Each teacher's targets (any kind) for the same tokens."""
     weights: list[float]
     """Each teacher's weight, normalised here to sum to 1 (checked positive by the config)."""
+    picks = None
+    """Each teacher's divergence reads every token's log-prob (one part's draws are not all the mixture reads)."""
 
     def __post_init__(self) -> None:
         total = sum(self.weights)

@@ -67,8 +67,17 @@ class Targets(Protocol):
         """Chunks of these token lengths."""
         ...
 
+    picks: torch.Tensor | None
+    """``[n, k]`` int64: the only ids whose student log-probs :meth:`divergence` reads (a sampled cache's draws), so
+    the loss hands it those alone (:meth:`picked_divergence`) and backward writes no ``[n, V]`` gradient for it; None
+    (every other kind): it reads every token's."""
+
     def divergence(self, log_q: torch.Tensor, divergence: str, beta: float, temperature: float) -> torch.Tensor:
         """``[n]`` D(teacher_T, student_T) from the student's log-probs at T ``[n, V]`` (differentiable in them)."""
+        ...
+
+    def picked_divergence(self, picked: torch.Tensor, divergence: str, beta: float, temperature: float) -> torch.Tensor:
+        """:meth:`divergence` from the student's log-probs at :attr:`picks` alone ``[n, k]`` (where picks is set)."""
         ...
 
     def kl(self, log_q: torch.Tensor) -> torch.Tensor:
@@ -124,6 +133,7 @@ class Logits:
     measured = True
     extent = ()
     """Spans of tokens a chunk boundary may not cut: none (:class:`~kdsweep.losses.aligned.Aligned` has some)."""
+    picks = None
 
     def __post_init__(self) -> None:  # any leading shape: tokens are flattened, the last dimension kept
         flat = lambda t: None if t is None else t.reshape(-1, t.shape[-1])
@@ -205,6 +215,7 @@ class _Sparse:
     exact = False
     measured = True
     extent = ()
+    picks = None
 
     def __len__(self) -> int:
         return self.ids.shape[0]
@@ -240,14 +251,20 @@ class Samples(_Sparse):
 
     entropy: torch.Tensor = None  # type: ignore[assignment]
 
+    @property
+    def picks(self) -> torch.Tensor:  # type: ignore[override]
+        return self.ids.long()
+
     def divergence(self, log_q: torch.Tensor, divergence: str, beta: float, temperature: float) -> torch.Tensor:
         """``[n]`` the unbiased estimate −H − (1/k) Σ_i log q(v_i) of KL(teacher ‖ student) at T = T_c."""
+        return self.picked_divergence(log_q.gather(-1, self.picks), divergence, beta, temperature)
+
+    def picked_divergence(self, picked: torch.Tensor, divergence: str, beta: float, temperature: float) -> torch.Tensor:
         if divergence not in SAMPLED_DIVERGENCES:
             raise ValueError(f"teacher.cache.method=sample estimates only forward_kl, not {divergence}")
         if temperature != self.temperature:
             raise ValueError(f"samples drawn at T={self.temperature} cannot train at T={temperature}")
-        cross = log_q.gather(-1, self.ids.long()).mean(-1)
-        return -upcast(self.entropy) - cross
+        return -upcast(self.entropy) - picked.mean(-1)
 
 
 @dataclass

@@ -37,6 +37,7 @@ class NoTargets:
     measured = False
     kl_temperature = 1.0
     extent = ()
+    picks = None
 
     def __len__(self) -> int:
         return self.n

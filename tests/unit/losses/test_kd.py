@@ -189,3 +189,37 @@ def test_a_step_s_loss_differentiated_once_is_the_loss_autograd_differentiates(d
     assert want.grad.abs().sum() > 0
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         a.total(kd_ratio).backward()
+
+
+def _graph_names(root) -> set[str]:
+    seen, todo = set(), [root.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            todo.extend(f for f, _ in node.next_functions)
+    return {type(n).__name__ for n in seen}
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+@pytest.mark.parametrize("kd_ratio", [0.0, 0.4, 1.0])
+def test_a_sampled_cache_s_draws_are_read_inside_the_log_softmax_and_give_autograd_s_gradient(temperature, kd_ratio):
+    """A sampled cache's divergence reads only the student's log-probs at its draws (Samples.picks): in a step's
+    graph (``once=True``) they are gathered inside the log-softmax's own function, whose backward scatters their
+    gradient into the log-probs' memory, so no gather's zero-filled ``[n, V]`` gradient exists; values and
+    gradients are those of autograd through torch's log-softmax, gather and nll_loss (ignored rows, 3 chunks)."""
+    from kdsweep.losses.targets import Samples
+
+    s, _, y = ragged(14, 11, 7)
+    g = torch.Generator().manual_seed(8)
+    t = Samples(ids=torch.randint(0, 11, (14, 5), generator=g), label_logp=torch.zeros(14), temperature=temperature,
+                vocab=11, entropy=torch.rand(14, generator=g).double())
+    got, want = s.double().requires_grad_(), s.double().clone().requires_grad_()
+    kw = dict(temperature=temperature, num_chunks=3)
+    a, b = kd_loss_sums(got, t, y, once=True, **kw), kd_loss_sums(want, t, y, **kw)
+    for x, z in zip(a, b):
+        assert x.item() == pytest.approx(z.item(), rel=1e-12, abs=1e-12)
+    assert "GatherBackward0" not in _graph_names(a.total(kd_ratio)) and "GatherBackward0" in _graph_names(b.kd)
+    a.total(kd_ratio).backward()
+    b.total(kd_ratio).backward()
+    assert torch.allclose(got.grad, want.grad, rtol=1e-10, atol=1e-12) and want.grad.abs().sum() > 0
