@@ -88,12 +88,14 @@ def test_a_budgeted_sweep_confirms_its_top_points_on_slurm_workers_through_a_con
     assert f"verdict: {verdict['line']}" in status
     assert f"{len(keys)} of {len(planned_keys)} confirmation trials" in status
     # the search stopped for the budget: what it had spent and the confirmation's 9 trials at the cost the trials so
-    # far showed (the budget's reserve) come to the budget, give or take a few trials: the 2 trials in flight when
-    # the last was asked may each cost more than expected on a loaded machine (seen: 2.4 trials over with the other
-    # test worker busy, 0.2 on a quiet machine); a broken reserve would be 9 trials off
+    # far showed (the budget's reserve) come to the budget, give or take the 2 trials in flight when the last was
+    # asked and what the search's trials cost beyond that price (a worker's first trial pays its start-up: on a
+    # loaded machine CI saw two at 2.5-2.8x the estimate, 3.3 trials over in all; 0.2 on a quiet machine); a broken
+    # reserve would be 9 trials off
     ended = data["confirmation"]["search_ended"]
     estimate = ended["trial_device_seconds"]
     planned = ended["device_seconds_spent"] + 9 * estimate
-    assert BUDGET_S - 2 * estimate <= planned <= BUDGET_S + 3 * estimate, (ended, planned)
+    beyond = sum(max(0.0, read_run(Path(t["run_dir"]))["cost"]["device_seconds"] - estimate) for t in search_trials)
+    assert BUDGET_S - 2 * estimate <= planned <= BUDGET_S + 2 * estimate + beyond, (ended, planned, beyond)
     confirmed = sum(read_run(Path(t["run_dir"]))["cost"]["device_seconds"] for t in confirmation)
     assert data["budget"]["device_seconds_spent"] >= ended["device_seconds_spent"] + confirmed
