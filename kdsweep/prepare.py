@@ -152,14 +152,14 @@ def submit(cfg: Any, args: list[str], cache_dir: Path) -> None:
 
 
 def main(args: list[str]) -> None:
+    from kdsweep.teacher.check import size
+
     parser = argparse.ArgumentParser(prog="kdsweep prepare", description="Tokenize the data and build every teacher "
                                      "cache a sweep's trials will read, before the sweep.")
     parser.add_argument("--dry-run", action="store_true", help="print what it would write, and stop")
     parser.add_argument("-m", "--multirun", action="store_true", help="ignored: the sweep's command, as typed")
     parser.add_argument("--here", action="store_true", help="build in this process whatever hydra/launcher says")
     parser.add_argument("overrides", nargs="*", help="the sweep's overrides (hparams_search=..., teacher.logits=cache)")
-    from kdsweep.teacher.check import size
-
     ns = parser.parse_args(args)
     overrides = list(ns.overrides)
     composed = compose(overrides)
