@@ -46,9 +46,10 @@ class Backend(Protocol):
         """The trial's job, if one was started (running or ended) that the manifest does not know of: what
         ``start`` would have returned for it, else None."""
 
-    def release_idle(self) -> None:
-        """Nothing may start until the budget frees: what the backend holds idle goes (an idle warm worker leaves;
-        a later start brings up a new one), so that it stops costing device time."""
+    def release_idle(self, why: str = "no trial may start until the budget allows it") -> None:
+        """Nothing may start now (``why``: until the budget frees, or the controller stopped with an error): what
+        the backend holds idle goes (an idle warm worker leaves; a later start brings up a new one), so that it
+        stops costing device time."""
 
     def close(self) -> None:
         """The sweep is over (no trial runs): release what the backend holds (warm workers leave)."""
@@ -241,14 +242,12 @@ class Controller:
     def _ask_and_start(self, item: dict[str, Any] | None = None) -> None:
         """Ask the sampler for a point; or, for a confirmation ``item``, ask the trial of its point and seed (put in
         the study's queue first, unless a controller that died after queueing it left it there)."""
-        from optuna.trial import TrialState
-
         if item is None:
             trial = self.study.ask(self.distributions)
             self._save_asked(trial.number, trial._trial_id, trial.params)
             self._start(trial.number)
             return
-        waiting = self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+        waiting = self._confirmation_queue()
         if waiting:  # queued by a controller that died before asking it
             item = waiting[0].user_attrs["confirm"]
         # the study is told the point's values its space holds (CE-only's kd_ratio=0 may lie outside a searched
@@ -260,6 +259,22 @@ class Controller:
         trial = self.study.ask({k: self.distributions[k] for k in held})
         self._save_asked(trial.number, trial._trial_id, point, item)
         self._start(trial.number)
+
+    def _confirmation_queue(self) -> list[Any]:
+        """The study's WAITING confirmation trials. A point the user enqueued (``hydra.sweeper.enqueue``) that the
+        search ended before asking is closed first as FAIL, with its reason: ``study.ask`` takes the oldest WAITING
+        trial, and a confirmation trial must not be given a search point's place."""
+        from optuna.trial import TrialState
+
+        waiting = self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+        unasked = [t for t in waiting if "confirm" not in t.user_attrs]
+        for t in unasked:
+            self.study._storage.set_trial_user_attr(t._trial_id, "reason", "never ran: the search ended first")
+            self.study._storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL)
+        if unasked:
+            log.info("search: %d enqueued point(s) never ran (the search ended first): %s", len(unasked),
+                     "; ".join(" ".join(f"{k}={v}" for k, v in t.params.items()) for t in unasked))
+        return [t for t in waiting if "confirm" in t.user_attrs]
 
     def _point(self, item: dict[str, Any]) -> dict[str, Any]:
         """The params of a confirmation item's point (the plan's)."""
@@ -344,6 +359,29 @@ class Controller:
             self.budget.keep_wall()
 
     def run(self) -> Manifest:
+        try:
+            self._run_trials()
+        except BaseException:  # a bug, a refusal, Ctrl-C: running trials go on (`kdsweep resume` adopts them) ...
+            try:  # ... but idle workers, which hold their devices, leave now rather than after worker_idle_s
+                self.backend.release_idle("the controller stopped with an error")
+            except Exception as e:  # never in place of the error that stopped the controller
+                log.warning("the idle workers were not told to leave: %s", e)
+            raise
+        self.backend.close()
+        self._verdict()
+        if self.budget.limited:
+            self.manifest.data["budget"] = self.budget.record()
+            log.info("budget: %.0f device-s spent of %s", self.manifest.data["budget"]["device_seconds_spent"],
+                     "no device limit" if self.settings.budget is None else f"{self.settings.budget * 3600:.0f}")
+        self.budget.keep_wall()
+        self.manifest.data["cost"] = sweep_cost(self.manifest)
+        self.manifest.save()
+        for line in cost_lines(self.manifest.data["cost"]):
+            log.info(line)
+        return self.manifest
+
+    def _run_trials(self) -> None:
+        """Start, watch and end trials (the search's, then its confirmation's) until none runs and none may start."""
         for number, entry in sorted(self.manifest.trials.items(), key=lambda kv: int(kv[0])):
             if entry["state"] == "ASKED":  # the controller died between ask and start
                 self._start(int(number))
@@ -372,18 +410,6 @@ class Controller:
                 break
             self._keep_wall()
             time.sleep(self.settings.poll_s)
-        self.backend.close()
-        self._verdict()
-        if self.budget.limited:
-            self.manifest.data["budget"] = self.budget.record()
-            log.info("budget: %.0f device-s spent of %s", self.manifest.data["budget"]["device_seconds_spent"],
-                     "no device limit" if self.settings.budget is None else f"{self.settings.budget * 3600:.0f}")
-        self.budget.keep_wall()
-        self.manifest.data["cost"] = sweep_cost(self.manifest)
-        self.manifest.save()
-        for line in cost_lines(self.manifest.data["cost"]):
-            log.info(line)
-        return self.manifest
 
 
 CRASH_AT = "KDSWEEP_TEST_CRASH_AT"

@@ -209,12 +209,12 @@ class WorkerPool:
                     return self._job(name, seq, run_dir)
         return None
 
-    def release_idle(self) -> None:
-        """Nothing may start until the budget frees: the idle workers leave (a worker waiting for a task holds its
-        devices, and the budget counts that); a trial that starts later gets a new worker."""
+    def release_idle(self, why: str = "no trial may start until the budget allows it") -> None:
+        """Nothing may start now (``why``): the idle workers leave (a worker waiting for a task holds its devices,
+        and the budget counts that); a trial that starts later gets a new worker."""
         idle = [n for n in self._staying() if self._idle(n)]
         if idle:
-            log.info("workers %s leave: no trial may start until the budget allows it", ", ".join(idle))
+            log.info("workers %s leave: %s", ", ".join(idle), why)
             self._tell_to_leave(idle)
 
     def close(self) -> None:

@@ -10,7 +10,7 @@ ROOT="${KDSWEEP_SLURM_ROOT:-/tmp/kdsweep-slurm}"
 CONF="$ROOT/etc/slurm.conf"
 SOCKET="$ROOT/munge/munge.socket"
 NODE=localhost   # the node's name in slurm.conf; slurmd is told it with -N because the real hostname differs
-CPUS=8           # advertised, not real: several 2-task jobs can run at once on a 2-core machine
+CPUS=16          # advertised, not real: several 2-task jobs run at once on a 2-core machine (see README)
 
 log() { echo "up.sh: $*" >&2; }
 

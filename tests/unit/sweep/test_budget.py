@@ -48,7 +48,7 @@ class Recorded:
     def find(self, args, run_dir):
         return None
 
-    def release_idle(self):
+    def release_idle(self, why=""):
         pass
 
     def close(self):
@@ -225,7 +225,7 @@ class Simulated:
     def find(self, args, run_dir):
         return None
 
-    def release_idle(self):
+    def release_idle(self, why=""):
         pass
 
     def close(self):

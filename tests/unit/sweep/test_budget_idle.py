@@ -47,7 +47,7 @@ class OnWorkers(Simulated):
             self._save(job["worker"])
         return code
 
-    def release_idle(self):
+    def release_idle(self, why=""):
         idle = [n for n, w in self.workers.items() if w["state"] == "idle"]
         self.released.append((self.clock.now, idle))
         for name in idle:
@@ -98,3 +98,30 @@ def test_the_pool_sends_only_idle_workers_away_and_a_leaving_one_does_not_hold_a
     assert third["worker"] == "w2" and starter.launched == ["w0", "w1", "w2"]
     pool.release_idle()  # nobody idle: w0 is not told twice
     assert not (tmp_path / "workers" / "w0" / "task-3.json").exists()
+
+
+def test_a_controller_that_stops_with_an_error_sends_its_idle_workers_away_and_leaves_busy_ones(tmp_path, monkeypatch):
+    """Before, idle workers of a controller stopped by an exception held their devices (and a SLURM cluster's
+    CPUs) until worker_idle_s; a running trial goes on, for `kdsweep resume` to adopt."""
+    from kdsweep.sweep.controller import Controller
+    from kdsweep.sweep.space import parse_space
+    from kdsweep.sweep.study import SweepSettings
+    from kdsweep.sweep.workers import WorkerPool
+
+    class FirstEndsAtItsFirstPoll(WorkerPool):
+        def poll(self, job):
+            if job["logs"][0].endswith("/0/job.log"):
+                (tmp_path / "workers" / job["worker"] / f"done-{job['seq']}.json").write_text('{"exit_code": 0}')
+            return super().poll(job)
+
+    def a_bug(self, number, exit_code):
+        raise RuntimeError("a bug while judging a trial")
+
+    monkeypatch.setattr(Controller, "_finish", a_bug)
+    s = SweepSettings(study_name="e", sampler="random", seed=0, pruner="none", poll_s=0.0, n_trials=4,
+                      max_concurrent=2, params={"kd_ratio": "interval(0.0,1.0)"})
+    pool = FirstEndsAtItsFirstPoll(2, tmp_path, {"nproc": 1}, Starter())
+    with pytest.raises(RuntimeError, match="a bug"):
+        Controller(s, parse_space({"kd_ratio": "interval(0.0,1.0)"}), ["train=smoke"], tmp_path, pool).run()
+    last = {p.parent.name: json.loads(p.read_text()) for p in sorted((tmp_path / "workers").glob("w*/task-*.json"))}
+    assert last["w0"] == {"seq": 2, "stop": True} and "stop" not in last["w1"]  # w1 still runs trial 1

@@ -65,7 +65,7 @@ class Recorded:
     def find(self, args, run_dir):
         return None
 
-    def release_idle(self):
+    def release_idle(self, why=""):
         pass
 
     def close(self):

@@ -8,7 +8,7 @@ import pytest
 
 from kdsweep.config import ConfigError
 from kdsweep.sweep.controller import Controller, LocalProcesses, summary_lines
-from kdsweep.sweep.judge import judge
+from kdsweep.sweep.judge import Outcome, judge
 from kdsweep.sweep.manifest import STORAGE_ENV, Manifest
 from kdsweep.sweep.space import parse_space
 from kdsweep.sweep.study import SweepSettings
@@ -167,3 +167,35 @@ def test_concurrent_trials_share_the_cores_and_a_trial_alone_gets_them_all_unles
     assert SHARED_THREADS not in trials.env(alone=True)
     workers = LocalStarter(size=2)
     assert workers.all_cores is None and workers._env["OMP_NUM_THREADS"] == "3"
+
+
+class Started:
+    """A backend that records what the controller starts (the jobs themselves are tested in tests/integration)."""
+
+    def __init__(self):
+        self.runs = []
+
+    def start(self, args, run_dir, alone=False):
+        self.runs.append(args)
+        return {"pid": len(self.runs), "logs": []}
+
+
+def test_a_user_s_enqueued_point_the_search_never_asked_does_not_take_a_confirmation_trial_s_place(tmp_path):
+    """The budget (here n_trials) ended the search with enqueued points left WAITING: study.ask takes the oldest
+    WAITING trial, so the confirmation's first trial was given a search point's place (a KeyError in CI)."""
+    points = [{"kd_ratio": 0.1, "lora_rank": 4}, {"kd_ratio": 0.2, "lora_rank": 8}, {"kd_ratio": 0.3, "lora_rank": 16}]
+    s = SweepSettings(study_name="c", sampler="random", seed=0, pruner="none", n_trials=1, enqueue=points,
+                      confirm={"top": 1, "seeds": 3, "baseline_trials": 0}, params=SPACE)
+    backend = Started()
+    c = Controller(s, parse_space(SPACE), ["train=smoke"], tmp_path, backend)
+    c._ask_and_start()
+    c._record(0, Outcome("COMPLETE", values=[2.0]), exit_code=0)
+    assert not c._search_may_ask()
+    item = c._confirmation_item()
+    c._ask_and_start(item)
+    states = {t.number: (t.state.name, t.user_attrs) for t in c.study.trials}
+    assert states[1][0] == states[2][0] == "FAIL" and states[1][1]["reason"].startswith("never ran")
+    confirm_trial = c.study.trials[3]
+    assert confirm_trial.state.name == "RUNNING" and confirm_trial.user_attrs["confirm"] == item
+    assert confirm_trial.params == points[0] and c.manifest.trial(3)["confirm"] == item
+    assert "train.seed=" in " ".join(backend.runs[-1])
