@@ -21,6 +21,7 @@ import pandas as pd
 
 from kdsweep.analysis.runs import read_metrics, read_record
 from kdsweep.config.schema import ConfigError
+from kdsweep.evaluation.report import EVAL_JSON
 
 EVAL_METRICS = ("student_ce", "kl", "teacher_ce")
 FINISHED = ("COMPLETE", "PRUNED")  # a trial in these states must have its run record
@@ -91,6 +92,17 @@ class Sweep:
                  **{f"{ref}.{x}": (p.get(ref) or {}).get(x) for ref in ("vs_ce_only", "vs_best") for x in ("mean", "ci95")}}
                 for p in (self.manifest.get("verdict") or {}).get("points", [])]
         return pd.DataFrame.from_records(rows, columns=columns)
+
+    def evaluation(self) -> pd.DataFrame:
+        """The sweep's last ``kdsweep eval <sweep dir>`` table (``eval.json``), one row per task and model: task,
+        name (the confirmed point's and CE-only's seeds, the base student), metric, value (a mean over seeds), the
+        95% half_width, stderr, models (seeds), items, and vs_base / vs_base_se (the difference to the base, in
+        standard errors); empty when the sweep was never evaluated."""
+        columns = ["task", "name", "metric", "value", "half_width", "stderr", "models", "items", "vs_base",
+                   "vs_base_se"]
+        path = self.sweep_dir / EVAL_JSON
+        rows = json.loads(path.read_text())["rows"] if path.exists() else []
+        return pd.DataFrame.from_records([{c: r.get(c) for c in columns} for r in rows], columns=columns)
 
     def best_number(self) -> int | None:
         """The best COMPLETE trial on the first objective (for two objectives: the Pareto trial best on it)."""

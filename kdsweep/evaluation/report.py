@@ -22,6 +22,9 @@ from typing import Any
 
 from kdsweep.config.schema import ConfigError
 
+EVAL_JSON = "eval.json"
+"""A sweep directory's last ``kdsweep eval`` table (``tasks`` and ``rows``, as ``--json`` writes them)."""
+
 
 @dataclass
 class Entry:
@@ -166,8 +169,12 @@ def main(args: list[str]) -> None:
             rows.append(row)
     for line in table_lines(rows):
         print(line, flush=True)
+    table = json.dumps({"tasks": tasks, "rows": rows}, indent=2) + "\n"
     if ns.json is not None:
-        ns.json.write_text(json.dumps({"tasks": tasks, "rows": rows}, indent=2) + "\n")
+        ns.json.write_text(table)
+    for sweep in [t for t in ns.targets if (t / "sweep.json").exists()]:  # the analysis notebook reads it there
+        (sweep / EVAL_JSON).write_text(table)
+        print(f"saved in {sweep / EVAL_JSON} (notebooks/sweep_analysis.ipynb shows it)", flush=True)
 
 
-__all__ = ["Entry", "compare", "entries", "main", "summary", "table_lines"]
+__all__ = ["EVAL_JSON", "Entry", "compare", "entries", "main", "summary", "table_lines"]

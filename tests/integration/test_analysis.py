@@ -174,6 +174,8 @@ def test_notebook_tells_the_story_and_saves_its_figures(sweep_dir, tmp_path):
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert load_sweep(sweep_dir, study=False).reproduce_command() in text.splitlines()
     assert "trial 2 at step 2" in text  # the pruned trials are named
+    # not evaluated (an evaluated sweep's table: tests/integration/test_verdict.py)
+    assert f"not evaluated downstream: run `kdsweep eval {sweep_dir}`" in text
 
     assert f"verdict: {manifest_of(sweep_dir)['verdict']['line']}" in text.splitlines()
     names = {"importances", "objective_vs_params", "pairwise", "parallel_coordinates", "learning_curves",

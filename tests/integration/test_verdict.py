@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import QUIET, kdsweep, read_run
+from conftest import QUIET, REPO, kdsweep, read_run
 from test_sweep import manifest, search
 
 pytestmark = pytest.mark.slow
@@ -91,6 +91,8 @@ def test_eval_scores_the_confirmed_point_and_ce_only_over_their_seeds_beside_the
     interval across them), and the base student they trained from, on the shipped lm-eval task."""
     import json
 
+    from kdsweep.evaluation.task import TASK
+
     sweep = Path(default_point["trials"]["0"]["run_dir"]).parent
     out = kdsweep("eval", str(sweep), "--json", str(tmp_path / "eval.json"), cwd=tmp_path)
     rows = {r["name"]: r for r in json.loads((tmp_path / "eval.json").read_text())["rows"]}
@@ -102,6 +104,28 @@ def test_eval_scores_the_confirmed_point_and_ce_only_over_their_seeds_beside_the
         assert len(r["values"]) == 3 and r["value"] == pytest.approx(statistics.fmean(r["values"]))
         assert r["half_width"] == pytest.approx(T_975_2DF * statistics.stdev(r["values"]) / math.sqrt(3), rel=1e-3)
         assert f"{r['value']:.4f} ± {r['half_width']:.4f}" in out.stdout and r["vs_base"] is not None
+    # the sweep keeps the table, and the analysis notebook's cell shows it
+    assert json.loads((sweep / "eval.json").read_text()) == json.loads((tmp_path / "eval.json").read_text())
+    assert f"saved in {sweep / 'eval.json'}" in out.stdout
+    shown = notebook_cell_display(sweep, "evaluation = sweep.evaluation()")
+    assert list(shown.index) == [(TASK, name) for name in rows]
+    assert list(shown["value"]) == [rows[name]["value"] for name in rows]
+    assert list(shown["vs_base_se"].fillna(0.0)) == [rows[name].get("vs_base_se") or 0.0 for name in rows]
+
+
+def notebook_cell_display(sweep_dir, starts):
+    """Run notebooks/sweep_analysis.ipynb's code cell that starts with ``starts`` on this sweep (``sweep`` loaded as
+    its first cells load it); what it displays."""
+    import nbformat
+
+    from kdsweep.analysis import load_sweep
+
+    nb = nbformat.read(REPO / "notebooks" / "sweep_analysis.ipynb", as_version=4)
+    (source,) = [c.source for c in nb.cells if c.cell_type == "code" and c.source.startswith(starts)]
+    shown = []
+    exec(source, {"sweep": load_sweep(sweep_dir, study=False), "display": shown.append, "print": shown.append})
+    (frame,) = shown
+    return frame
 
 
 def test_a_random_teacher_at_kd_ratio_0_9_loses_to_ce_only(tmp_path, zoo_dirs):
