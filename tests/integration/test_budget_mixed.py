@@ -10,7 +10,7 @@ import pytest
 
 from conftest import kdsweep, read_run
 from test_slurm_jobs import ONE_THREAD
-from test_sweep import manifest, search
+from test_sweep import manifest, search, study
 
 pytestmark = pytest.mark.slow
 
@@ -42,9 +42,14 @@ def test_a_mixed_sweep_spends_its_budget_to_within_one_full_trial(launcher, tmp_
     assert {"COMPLETE", "PRUNED", "FAIL"} <= set(states), states
     assert trials[FAILING]["state"] == "FAIL" and trials[FAILING]["attempts"] == 1  # its own error: not retried
     assert "injected failure of rank 0 after step 3" in trials[FAILING]["reason"]
-    # the budget ended the search (its next trial would not have fit beside the confirmation's reserve), after the
-    # enqueued points at least
-    assert data["confirmation"]["search_ended_by"].startswith("the budget") and len(search_trials) >= 5
+    # the budget ended the search (its next trial would not have fit beside the confirmation's reserve); how many
+    # trials it paid for depends on the machine's speed (a loaded one ran 4): the enqueued points it left unasked
+    # were closed in the study as never run, and none took a confirmation trial's place
+    assert data["confirmation"]["search_ended_by"].startswith("the budget")
+    never = [t for t in study(sweep_dir, "mixed").trials
+             if t.user_attrs.get("reason") == "never ran: the search ended first"]
+    assert all(t.state.name == "FAIL" and "confirm" not in t.user_attrs for t in never)
+    assert len(search_trials) + len(never) >= 5 and (not never or len(search_trials) < 5)
     assert data["confirmation"]["search_ended"]["priced_apart"] is False  # the live teacher throughout
     confirmation = [t for t in trials.values() if t.get("confirm")]
     line = data["verdict"]["line"]
