@@ -46,7 +46,7 @@ class Backend(Protocol):
         """The trial's job, if one was started (running or ended) that the manifest does not know of: what
         ``start`` would have returned for it, else None."""
 
-    def release_idle(self, why: str = "no trial may start until the budget allows it") -> None:
+    def release_idle(self, why: str) -> None:
         """Nothing may start now (``why``: until the budget frees, or the controller stopped with an error): what
         the backend holds idle goes (an idle warm worker leaves; a later start brings up a new one), so that it
         stops costing device time."""
@@ -261,9 +261,16 @@ class Controller:
         self._start(trial.number)
 
     def _confirmation_queue(self) -> list[Any]:
-        """The study's WAITING confirmation trials. A point the user enqueued (``hydra.sweeper.enqueue``) that the
-        search ended before asking is closed first as FAIL, with its reason: ``study.ask`` takes the oldest WAITING
-        trial, and a confirmation trial must not be given a search point's place."""
+        """The study's WAITING confirmation trials, once the search's unasked points are closed: ``study.ask`` takes
+        the oldest WAITING trial, and a confirmation trial must not be given a search point's place."""
+        from optuna.trial import TrialState
+
+        self._close_unasked()
+        return self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+
+    def _close_unasked(self) -> None:
+        """The search has ended: a point the user enqueued (``hydra.sweeper.enqueue``) that it never asked is closed
+        as FAIL, with its reason (not left WAITING in the study). Confirmation trials are kept."""
         from optuna.trial import TrialState
 
         waiting = self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
@@ -274,7 +281,6 @@ class Controller:
         if unasked:
             log.info("search: %d enqueued point(s) never ran (the search ended first): %s", len(unasked),
                      "; ".join(" ".join(f"{k}={v}" for k, v in t.params.items()) for t in unasked))
-        return [t for t in waiting if "confirm" in t.user_attrs]
 
     def _point(self, item: dict[str, Any]) -> dict[str, Any]:
         """The params of a confirmation item's point (the plan's)."""
@@ -367,6 +373,7 @@ class Controller:
             except Exception as e:  # never in place of the error that stopped the controller
                 log.warning("the idle workers were not told to leave: %s", e)
             raise
+        self._close_unasked()  # a sweep without confirmation leaves no enqueued point WAITING either
         self.backend.close()
         self._verdict()
         if self.budget.limited:
@@ -402,7 +409,7 @@ class Controller:
                     self._ask_and_start(item)
                 else:
                     if running and not self._waits_on_trials():
-                        self.backend.release_idle()
+                        self.backend.release_idle("no trial may start until the budget allows it")
                     break
                 running.append(-1)
             if not running:

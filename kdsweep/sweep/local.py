@@ -64,7 +64,7 @@ class LocalProcesses:
                 return {"pid": int(entry.name), "started": stat[19], "logs": [str(run_dir / "job.log")]}
         return None
 
-    def release_idle(self, why: str = "") -> None:
+    def release_idle(self, why: str) -> None:
         pass  # a trial's process ends with it: nothing idles
 
     def close(self) -> None:

@@ -203,7 +203,7 @@ class SlurmJobs:
             return int(code) if code.isdigit() and code != "0" else 1
         return state  # cancelled, timed out, node failure ...: the job did not end on its own
 
-    def release_idle(self, why: str = "") -> None:
+    def release_idle(self, why: str) -> None:
         pass  # a trial's job ends with it: nothing idles
 
     def close(self) -> None:

@@ -209,7 +209,7 @@ class WorkerPool:
                     return self._job(name, seq, run_dir)
         return None
 
-    def release_idle(self, why: str = "no trial may start until the budget allows it") -> None:
+    def release_idle(self, why: str) -> None:
         """Nothing may start now (``why``): the idle workers leave (a worker waiting for a task holds its devices,
         and the budget counts that); a trial that starts later gets a new worker."""
         idle = [n for n in self._staying() if self._idle(n)]

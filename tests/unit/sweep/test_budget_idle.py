@@ -47,14 +47,14 @@ class OnWorkers(Simulated):
             self._save(job["worker"])
         return code
 
-    def release_idle(self, why=""):
+    def release_idle(self, why):
         idle = [n for n, w in self.workers.items() if w["state"] == "idle"]
         self.released.append((self.clock.now, idle))
         for name in idle:
             self._stop_idling(name, "left")
 
     def close(self):
-        self.release_idle()
+        self.release_idle("the sweep is over")
 
 
 @pytest.mark.parametrize("budget_s", [1100.0, 1250.0, 1400.0])
@@ -91,12 +91,12 @@ def test_the_pool_sends_only_idle_workers_away_and_a_leaving_one_does_not_hold_a
     first = pool.start(["a"], tmp_path / "0")
     pool.start(["b"], tmp_path / "1")
     (tmp_path / "workers" / first["worker"] / "done-1.json").write_text(json.dumps({"exit_code": 0}))
-    pool.release_idle()
+    pool.release_idle("no trial may start until the budget allows it")
     tasks = {p.parent.name: json.loads(p.read_text()) for p in (tmp_path / "workers").glob("w*/task-2.json")}
     assert tasks == {"w0": {"seq": 2, "stop": True}}  # w1 runs trial 1: it stays
     third = pool.start(["c"], tmp_path / "2")  # w0 is still leaving (alive): a new worker takes the trial
     assert third["worker"] == "w2" and starter.launched == ["w0", "w1", "w2"]
-    pool.release_idle()  # nobody idle: w0 is not told twice
+    pool.release_idle("no trial may start until the budget allows it")  # nobody idle: w0 is not told twice
     assert not (tmp_path / "workers" / "w0" / "task-3.json").exists()
 
 

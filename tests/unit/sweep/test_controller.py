@@ -199,3 +199,15 @@ def test_a_user_s_enqueued_point_the_search_never_asked_does_not_take_a_confirma
     assert confirm_trial.state.name == "RUNNING" and confirm_trial.user_attrs["confirm"] == item
     assert confirm_trial.params == points[0] and c.manifest.trial(3)["confirm"] == item
     assert "train.seed=" in " ".join(backend.runs[-1])
+
+
+def test_a_sweep_without_confirmation_leaves_no_enqueued_point_waiting(tmp_path):
+    from test_budget import Recorded
+
+    points = [{"kd_ratio": 0.1, "lora_rank": 4}, {"kd_ratio": 0.2, "lora_rank": 8}]
+    s = SweepSettings(study_name="c", sampler="random", seed=0, pruner="none", n_trials=1, enqueue=points,
+                      poll_s=0.0, params=SPACE)
+    Controller(s, parse_space(SPACE), ["train=smoke"], tmp_path, Recorded()).run()
+    study = optuna.load_study(study_name="c", storage=f"sqlite:///{tmp_path / 'optuna.db'}")
+    assert [t.state.name for t in study.trials] == ["COMPLETE", "FAIL"]
+    assert study.trials[1].user_attrs["reason"] == "never ran: the search ended first"
