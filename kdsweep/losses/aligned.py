@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from kdsweep.losses.cross_tokenizer import VocabMap, gold, merge, uld, uld_scale
 from kdsweep.losses.divergences import USES_BETA, log_probs, token_log_probs, upcast
-from kdsweep.losses.blocks import block_scores
+from kdsweep.losses import blocks
 from kdsweep.losses.targets import cuts_avoiding
 
 
@@ -89,7 +89,9 @@ class LiveSpans:
         return lp.new_zeros(len(self.head_row)).index_add(0, self.cont_span, lp)
 
     def nll(self) -> torch.Tensor:
-        return -(token_log_probs(self.head_logits(), self.head_token) + self.cont_logp(1.0))
+        # on a copy: the logits it makes go with it (this chunk lives as long as its batch's list of chunks)
+        rows = self.select(0, len(self.head_row))
+        return -(token_log_probs(rows.head_logits(), rows.head_token) + rows.cont_logp(1.0))
 
     @functools.cached_property
     def _count_at(self) -> list[int]:
@@ -249,7 +251,8 @@ class Aligned:
 
         vocab = max(log_q.shape[-1], self.vocab_map.teacher_vocab if self.vocab_map is not None else 0)
         cont_at = list(itertools.accumulate(self.cont_count, initial=0))
-        per_span = block_scores(log_q, self.head, self.cont, self.cont_token, self.cont_span, cont_at, vocab, score)
+        per_span = blocks.block_scores(log_q, self.head, self.cont, self.cont_token, self.cont_span, cont_at, vocab,
+                                       score, blocks.SPAN_BLOCK_ELEMENTS)
         return log_q.new_zeros(self.n, dtype=per_span.dtype).index_put((self.head,), per_span)
 
     def divergence(self, log_q: torch.Tensor, divergence: str, beta: float, temperature: float) -> torch.Tensor:

@@ -23,12 +23,23 @@ from typing import Any, Callable
 import torch
 
 BLOCK_ELEMENTS = 2**23
-"""The elements of one block's ``[rows, V]`` tensor (8M: 32 MB in fp32, 55 rows at a 152k vocabulary)."""
+"""The elements of one block's ``[rows, V]`` tensor for a same-tokenizer divergence (:func:`row_scores`; 8M: 32 MB in
+fp32, 65 rows at a 128k vocabulary). Its block holds about four such tensors (the teacher's rows, their log-probs,
+the terms); halving it cost the live fused step 19% (smaller projections of the teacher's rows; 3 interleaved runs
+each at 2,048 tokens of a 128k vocabulary) for 0.5 ``[chunk, V]`` buffer of its peak."""
+
+SPAN_BLOCK_ELEMENTS = 2**22
+"""The same for GOLD and ULD over spans (:mod:`~kdsweep.losses.aligned`; 4M: 16 MB, 27 spans at a 152k vocabulary). A
+span block holds about ten (both sides' merged rows, the teacher's logits and log-probs, the coarse and unshared
+gathers, the sorts, the terms): at 8M they were the fused step's peak, 2.7 buffers above a CE-only step at 2,048
+tokens of a 152k teacher (``benchmarks/loss_scale.py``), at 4M 1.6-1.7, and the step 7% faster (2 interleaved
+runs)."""
 
 
-def block_rows(vocab: int) -> int:
-    """How many spans one block scores: :data:`BLOCK_ELEMENTS` over the larger vocabulary, at least one."""
-    return max(1, BLOCK_ELEMENTS // max(vocab, 1))
+def block_rows(vocab: int, elements: int | None = None) -> int:
+    """How many rows (spans) one block scores: ``elements`` (:data:`BLOCK_ELEMENTS`) over the larger vocabulary, at
+    least one."""
+    return max(1, (BLOCK_ELEMENTS if elements is None else elements) // max(vocab, 1))
 
 
 Score = Callable[[int, int, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -77,13 +88,14 @@ class _BlockScores(torch.autograd.Function):
 
 
 def block_scores(log_q: torch.Tensor, head: torch.Tensor, cont: torch.Tensor, cont_token: torch.Tensor,
-                 cont_span: torch.Tensor, cont_at: list[int], vocab: int, score: Score) -> torch.Tensor:
+                 cont_span: torch.Tensor, cont_at: list[int], vocab: int, score: Score,
+                 elements: int | None = None) -> torch.Tensor:
     """``[S]`` each span's term from the student's log-probs ``log_q`` ``[n, Vs]``, differentiable in ``log_q``: span
     s reads the row ``head[s]`` and the continuation entries ``(cont[j], cont_token[j])`` of span ``cont_span[j] = s``,
     j in ``cont_at[s]`` … ``cont_at[s + 1] − 1`` (in span order; ``cont_at`` host-side). ``vocab``: the larger of the
-    two vocabularies. Spans that fit in one block are scored as one plain differentiable graph (nothing to gain
-    from a block's own gradient then)."""
-    rows_per_block = block_rows(vocab)
+    two vocabularies; ``elements``: a block's size (:func:`block_rows`). Spans that fit in one block are scored as
+    one plain differentiable graph (nothing to gain from a block's own gradient then)."""
+    rows_per_block = block_rows(vocab, elements)
     if len(head) <= rows_per_block:
         cont_q = log_q[cont].gather(-1, cont_token.long().unsqueeze(-1)).squeeze(-1)
         return score(0, len(head), log_q[head], log_q.new_zeros(len(head)).index_add(0, cont_span, cont_q))
@@ -101,4 +113,4 @@ def row_scores(log_q: torch.Tensor, vocab: int, score: Callable[[int, int, torch
                         lambda first, count, rows, _c: score(first, count, rows))
 
 
-__all__ = ["BLOCK_ELEMENTS", "block_rows", "block_scores", "row_scores"]
+__all__ = ["BLOCK_ELEMENTS", "SPAN_BLOCK_ELEMENTS", "block_rows", "block_scores", "row_scores"]

@@ -161,17 +161,19 @@ class Logits:
         return self.rows if self.logits is None and self.rows is not None else self.dense(None).shape[-1]
 
     def dense(self, vocab: int | None) -> torch.Tensor:
-        """``[n, vocab]`` logits, the teacher's rows beyond ``vocab`` cut (a padded output layer)."""
-        if self.logits is None:
+        """``[n, vocab]`` logits, the teacher's rows beyond ``vocab`` cut (a padded output layer). Hidden states are
+        projected on each call and the logits not kept: a chunk lives as long as its batch's list of chunks (the
+        evaluation's does), so kept logits would add up to the batch's whole ``[N, V]``."""
+        if self.logits is not None:
+            logits = self.logits
+        else:
             with torch.no_grad():
-                self.logits = self.head(self.hidden)
-        return self.logits if vocab is None else self.logits[..., :vocab]
-
-    def log_probs(self, vocab: int, temperature: float) -> torch.Tensor:
-        return finite_teacher(log_probs(self.dense(vocab), temperature))
+                logits = self.head(self.hidden)
+        return logits if vocab is None else logits[..., :vocab]
 
     def _block_log_probs(self, first: int, count: int, vocab: int, temperature: float) -> torch.Tensor:
-        """Rows ``first`` … ``first + count − 1`` of :meth:`log_probs` (hidden states: only those rows projected)."""
+        """Rows ``first`` … ``first + count − 1`` of the teacher's finite log-probabilities at ``temperature`` over
+        ``vocab`` (hidden states: only those rows projected)."""
         with torch.no_grad():
             rows = self.logits[first:first + count] if self.logits is not None else \
                 self.head(self.hidden[first:first + count])

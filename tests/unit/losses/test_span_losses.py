@@ -362,7 +362,7 @@ def test_spans_scored_in_blocks_give_one_block_s_terms_and_gradients(loss, rows_
     weights = rand(B * T, seed=8)
 
     def terms(elements):
-        monkeypatch.setattr(blocks, "BLOCK_ELEMENTS", elements)
+        monkeypatch.setattr(blocks, "SPAN_BLOCK_ELEMENTS", elements)
         log_q = log_probs(rand(B, T, VS, seed=7).reshape(-1, VS)).detach().requires_grad_()
         d = built.targets.divergence(log_q, "forward_kl", 0.5, 1.0)
         (d * weights).sum().backward()
@@ -382,7 +382,7 @@ def test_spans_scored_in_blocks_give_one_block_s_terms_and_gradients(loss, rows_
     want_d, want_g = plain()
     one_d, one_g = terms(10**9)
     blocked_d, blocked_g = terms(rows_per_block * VT)  # rows_per_block spans per block
-    assert blocks.block_rows(VT) == rows_per_block
+    assert blocks.block_rows(VT, blocks.SPAN_BLOCK_ELEMENTS) == rows_per_block
     assert torch.equal(blocked_d, one_d) and torch.allclose(blocked_g, one_g, rtol=1e-12, atol=1e-15)
     assert torch.allclose(one_d, want_d, rtol=1e-12, atol=1e-15)
     assert torch.allclose(one_g, want_g, rtol=1e-10, atol=1e-13)

@@ -320,3 +320,47 @@ def test_fused_cross_tokenizer_kd_is_the_chunked_one_without_the_teachers_full_l
     for n in g_want:
         assert torch.allclose(g_got[n], g_want[n], rtol=1e-5, atol=1e-7), n
     assert 3 <= len(projected) and max(projected) < batch.input_ids.numel() // 2  # a chunk's rows at a time
+
+
+def test_a_fused_cross_tokenizer_evaluation_keeps_no_chunk_s_teacher_rows_once_the_chunk_is_scored():
+    """A teacher of another tokenizer, evaluated with the fused loss: the rows a chunk's spans read are projected for
+    its distance and its teacher CE, and are gone before the next chunk's are. The teacher CE used to keep them on
+    the chunk, and the batch's list of chunks kept every one."""
+    import math
+    import weakref
+    from contextlib import contextmanager
+    from dataclasses import replace
+
+    from kdsweep.config import LossConfig
+    from kdsweep.distributed import single_process
+    from kdsweep.train.step import evaluate
+
+    rows = student_rows("byte_level", True, T=40)
+    batch = rows.batch(torch.arange(2))
+    s, t = tokenizer("byte_level"), tokenizer("metaspace")
+    cross = source("byte_level", "metaspace", tiny_model(len(t), seed=4), rows)
+    cross.fused = True
+    alive_at_each_projection, made = [], []
+
+    class Tracking:
+        def prefetch(self, batches):
+            cross.prefetch(batches)
+
+        @contextmanager
+        def targets(self, batch):
+            with cross.targets(batch) as targets:
+                project = targets.teacher.rows
+
+                def tracked(index):
+                    alive_at_each_projection.append(sum(ref() is not None for ref in made))
+                    out = project(index)
+                    made.append(weakref.ref(out))
+                    return out
+
+                targets.teacher = replace(targets.teacher, rows=tracked)
+                yield targets
+
+    result = evaluate(tiny_model(len(s), seed=7), Tracking(), [batch], loss_cfg=LossConfig(impl="fused"),
+                      dist=single_process(), chunks=4)
+    assert len(alive_at_each_projection) >= 4 and max(alive_at_each_projection) == 0
+    assert math.isfinite(result.teacher_ce) and result.teacher_ce > 0
