@@ -22,6 +22,7 @@ from kdsweep.losses.kd import (
     kd_loss_sums,
     split_chunks,
     split_like,
+    token_chunks,
 )
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "reverse_kl",
     "split_chunks",
     "split_like",
+    "token_chunks",
     "symmetric_kl",
     "temperature_factor",
     "total_variation",

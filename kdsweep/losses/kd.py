@@ -9,7 +9,7 @@ No function here synchronises with the host (no ``.item()``, no boolean indexing
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +53,17 @@ def split_like(targets: Targets, num_chunks: int, *tensors: torch.Tensor) -> lis
     """Split the student's token tensors into the chunks ``targets.split(num_chunks)`` makes (``targets.cuts``): the
     even split of :func:`split_chunks`, or one that keeps a cross-tokenizer span inside one chunk."""
     return list(zip(*(torch.split(t, targets.cuts(num_chunks), dim=0) for t in tensors)))
+
+
+def token_chunks(targets: Targets, num_chunks: int, *tensors: torch.Tensor) -> Iterator[tuple[tuple, Targets]]:
+    """Each chunk of ``targets.split(num_chunks)`` with the same tokens of ``tensors`` (:func:`split_like`), handed out
+    one at a time: nothing here keeps a chunk once the next is asked for, so a chunk, and whatever its targets compute
+    and keep, lives only while its consumer holds it (not the whole batch's chunks until the last is done)."""
+    pieces, parts = split_like(targets, num_chunks, *tensors), targets.split(num_chunks)
+    del tensors
+    for i in range(len(parts)):
+        (piece, pieces[i]), (part, parts[i]) = (pieces[i], None), (parts[i], None)
+        yield piece, part
 
 
 def align_vocab(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,10 +158,9 @@ def kd_loss_sums(
     kl = s.new_zeros((), dtype=torch.float32)
     # Each piece's logits are let go once its log-probabilities exist (no reference is kept here), so the divergence
     # runs beside one [n, V] student tensor, not two, wherever the caller holds no other reference to them.
-    pieces = split_like(targets, num_chunks, s, y)
+    chunks = token_chunks(targets, num_chunks, s, y)
     del student_logits, s
-    for i, t_c in enumerate(targets.split(num_chunks)):
-        (s_c, y_c), pieces[i] = pieces[i], None
+    for (s_c, y_c), t_c in chunks:
         s_c = s_c[..., : min(s_c.shape[-1], t_c.vocab)]
         valid = valid_mask(y_c, ignore_index)
         log_p_s, ce_c, picked = student_log_probs(s_c, y_c, temperature=temperature, ignore_index=ignore_index,

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from kdsweep.losses import LossSums, kd_loss_sums, split_like
+from kdsweep.losses import LossSums, kd_loss_sums, token_chunks
 from kdsweep.losses.targets import Targets
 
 
@@ -26,7 +26,7 @@ def chunk_gradients(x: torch.Tensor, targets: Targets, labels: torch.Tensor, *, 
     them; the loss settings as for ``kd_loss_sums``): ``[Σce, Σkd, Σkl]`` of the chunk (detached) and the gradients of
     ``(1 - kd_ratio)·Σce + kd_ratio·Σkd`` with respect to the chunk of ``x`` and to ``wrt`` (None where unused), taken
     before the next chunk's loss runs."""
-    for (x_c, y_c), t_c in zip(split_like(targets, num_chunks, x, labels.reshape(-1)), targets.split(num_chunks)):
+    for (x_c, y_c), t_c in token_chunks(targets, num_chunks, x, labels.reshape(-1)):
         with torch.enable_grad():
             leaf = x_c.detach().requires_grad_()
             # keywords spelled out: a **mapping would keep the projected logits alive through the whole call

@@ -12,7 +12,7 @@ from torch import nn
 from kdsweep.config.schema import LossConfig
 from kdsweep.data.batch import Batch
 from kdsweep.distributed import DistEnv
-from kdsweep.losses import LossSums, cross_entropy_sum, kd_loss_sums, log_probs, split_like
+from kdsweep.losses import LossSums, cross_entropy_sum, kd_loss_sums, log_probs, token_chunks
 from kdsweep.losses.targets import Targets
 from kdsweep.models.heads import final_hidden, frozen_projection
 from kdsweep.teacher.source import TeacherSource
@@ -81,14 +81,12 @@ def _eval_chunks(student: nn.Module, targets: Targets, batch: Batch, loss_cfg: L
     if chunks == 1 or loss_cfg.impl != "fused":
         chunks = pieces_for(y.device, y.numel(), vocab) if chunks == 1 else chunks
         s_logits = student(**batch.inputs()).logits
-        for (s_c, y_c), t_c in zip(split_like(targets, chunks, s_logits.reshape(-1, s_logits.shape[-1]), y),
-                                   targets.split(chunks)):
+        for (s_c, y_c), t_c in token_chunks(targets, chunks, s_logits.reshape(-1, s_logits.shape[-1]), y):
             yield s_c, t_c, y_c
         return
     h_s = final_hidden(student, batch.inputs())
     with frozen_projection(student) as head_s:  # frozen here
-        for (hs_c, y_c), t_c in zip(split_like(targets, chunks, h_s.reshape(-1, h_s.shape[-1]), y),
-                                    targets.split(chunks)):
+        for (hs_c, y_c), t_c in token_chunks(targets, chunks, h_s.reshape(-1, h_s.shape[-1]), y):
             yield head_s(hs_c), t_c, y_c
 
 

@@ -5,7 +5,10 @@ import math
 import pytest
 import torch
 
-from kdsweep.losses import align_vocab, kd_loss_sums, split_chunks
+import weakref
+
+from kdsweep.losses import align_vocab, kd_loss_sums, split_chunks, token_chunks
+from kdsweep.losses.targets import Logits
 from helpers import one_thread  # noqa: F401  (autouse: tiny tensors run fastest on one thread)
 
 IGNORE = -100
@@ -114,6 +117,21 @@ def test_split_chunks_keeps_tensors_aligned():
     assert torch.equal(torch.cat([p[0] for p in pieces]), x)
     with pytest.raises(ValueError):
         split_chunks(2, x, x[:5])
+
+
+def test_token_chunks_hands_out_each_chunk_and_keeps_none_the_consumer_let_go():
+    """A chunk of targets (and what it computes and keeps) must die when its consumer moves on, not live until the
+    batch's last chunk is done (an evaluation kept a whole batch of teacher logits that way)."""
+    x, y = torch.randn(10, 5), torch.arange(10)
+    targets = Logits(logits=torch.randn(10, 5))
+    seen, alive = [], []
+    for (x_c, y_c), t_c in token_chunks(targets, 3, x, y):
+        alive.append(sum(r() is not None for r in seen))
+        seen.append(weakref.ref(t_c))
+        assert torch.equal(t_c.logits, targets.logits[y_c]) and torch.equal(x_c, x[y_c])
+    assert alive == [0, 0, 0] and len(t_c) == 3
+    del t_c
+    assert all(r() is None for r in seen)
 
 
 def test_total_mixes_by_kd_ratio():
