@@ -207,12 +207,14 @@ def _launch(run_cfg: RunConfig, raw: dict[str, Any], overrides: list[str]) -> di
 
     from kdsweep.train import check_resumable, prepare_data
 
+    from kdsweep.evaluation import downstream
     from kdsweep.models.check import preflight_targets
 
     env = detect()
     spawn_local = env.world_size == 1 and run_cfg.dist.nproc_per_node > 1
     check_resumable(run_cfg)  # here too, so that spawned ranks never start on someone else's checkpoints
     preflight_targets(run_cfg, zoo_too=True)  # a LoRA target that selects nothing: one line, not a rank's traceback
+    downstream.check(run_cfg.downstream)  # lm-eval and its tasks, before training rather than after it
     if spawn_local:
         check_local_launch(run_cfg.dist, device_for(run_cfg.train.device, env))
     elif env.world_size > 1:

@@ -625,6 +625,30 @@ class RolloutConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DownstreamConfig:
+    """lm-evaluation-harness tasks scored on the trained student at the end of a completed run (``pip install
+    'kdsweep[eval]'``): run.json's ``downstream``, and each task's headline metric as ``lm_eval/<task>`` beside the
+    held-out CE in ``eval_after`` and ``test_after``, which a sweep may optimise or confirm on
+    (``kdsweep.evaluation.downstream``). The merged student is written to be scored, and removed after unless
+    ``checkpoint.export_merged``."""
+
+    tasks: tuple[str, ...] = ()
+    """lm-eval tasks: the shipped ``kdsweep_next_word``, one in ``include``, or any lm-eval ships (those read their
+    datasets through the Hugging Face cache). Empty: none."""
+    include: tuple[str, ...] = ()
+    """Directories of a user's own lm-eval task YAML files."""
+    batch_size: int = 16
+    """lm-eval's batch size."""
+    limit: int | None = None
+    """Score only the first this many items of each task (None: every item): cheaper and noisier, for a search."""
+
+    def __post_init__(self) -> None:
+        _check(self.batch_size >= 1, f"downstream.batch_size={self.batch_size} must be >= 1")
+        _check(self.limit is None or self.limit >= 1,
+               f"downstream.limit={self.limit} must be >= 1 (null: every item of each task)")
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrialConfig:
     """Set by the sweep controller on the jobs it starts; empty for a plain run."""
 
@@ -660,6 +684,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    downstream: DownstreamConfig = field(default_factory=DownstreamConfig)
     trial: TrialConfig = field(default_factory=TrialConfig)
 
     def __post_init__(self) -> None:

@@ -15,19 +15,19 @@ log = logging.getLogger(__name__)
 INSTALL = "pip install 'kdsweep[eval]'"
 
 
-def require_lm_eval() -> Any:
-    """The lm_eval module, or one line with the command that installs it."""
+def require_lm_eval(who: str = "kdsweep eval") -> Any:
+    """The lm_eval module, or one line with the command that installs it (``who``: what runs lm-eval)."""
     try:
         import lm_eval
     except ImportError:
-        raise ConfigError(f"kdsweep eval runs lm-evaluation-harness, which is not installed; {INSTALL} "
+        raise ConfigError(f"{who} runs lm-evaluation-harness, which is not installed; {INSTALL} "
                           "(lm_eval>=0.4.10)") from None
     return lm_eval
 
 
-def task_manager(tasks: list[str], include: list[Path]) -> Any:
+def task_manager(tasks: list[str], include: list[Path], flags: tuple[str, str] = ("--tasks", "--include DIR")) -> Any:
     """lm-eval's TaskManager over the shipped task and ``include``; lm-eval's own tasks are indexed too (seconds)
-    only when a task is not among those. An unknown task is one line."""
+    only when a task is not among those. An unknown task is one line, naming the task and include ``flags``."""
     from lm_eval.tasks import TaskManager
 
     from kdsweep.evaluation.task import TASK, task_dir
@@ -39,8 +39,8 @@ def task_manager(tasks: list[str], include: list[Path]) -> Any:
     manager = TaskManager(include_path=paths)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
-        raise ConfigError(f"--tasks: lm-eval knows no task {unknown[0]!r}; use {TASK} (shipped), a task of "
-                          "`lm-eval ls tasks`, or one in a YAML directory given with --include DIR")
+        raise ConfigError(f"{flags[0]}: lm-eval knows no task {unknown[0]!r}; use {TASK} (shipped), a task of "
+                          f"`lm-eval ls tasks`, or one in a YAML directory given with {flags[1]}")
     return manager
 
 

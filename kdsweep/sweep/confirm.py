@@ -35,7 +35,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kdsweep.config.schema import ConfigError
+from kdsweep.evaluation.downstream import task_of
 from kdsweep.sweep.manifest import FINAL
+from kdsweep.sweep.study import OBJECTIVES
 
 SEED_BASE = 1000
 """Confirmation seeds are ``train.seed`` = ``rollout.seed`` = 1000, 1001, …: not the search's (0 unless set)."""
@@ -70,16 +72,21 @@ class ConfirmSettings:
     (0: none). The reserve prices CE-only as a KD trial (its real cost is known only once it ran), so without them a
     sweep could end several CE-only trials' teacher work short of its budget."""
     lr_searched: bool = False
+    also: tuple[str, ...] = ()
+    """Second measures the confirmation's seeds are scored on too, each compared paired between top1 and CE-only
+    (its own family: the verdict's decision stays on ``objective``): an eval metric (``kl``; lower is better) or an
+    lm-eval task's headline (``lm_eval/<task>``, the seeds' trials score it: ``downstream.tasks``; higher is
+    better)."""
 
     @classmethod
     def of(cls, raw: dict[str, Any] | None, objectives: tuple[str, ...], trial_limit: float,
            searched: tuple[str, ...] = ()) -> "ConfirmSettings | None":
         if not raw or not raw.get("top"):  # top 0: no confirmation
             return None
-        unknown = set(raw) - {"top", "seeds", "objective", "baseline_trials", "more_seeds"}
+        unknown = set(raw) - {"top", "seeds", "objective", "baseline_trials", "more_seeds", "also"}
         if unknown:
             raise ConfigError(f"hydra.sweeper.confirm has unknown keys {sorted(unknown)}; use top, seeds, objective, "
-                              "baseline_trials, more_seeds")
+                              "baseline_trials, more_seeds, also")
         top, seeds, baseline = int(raw.get("top", 1)), int(raw.get("seeds", 3)), int(raw.get("baseline_trials", 4))
         more = int(raw.get("more_seeds", 3))
         if more < 0:
@@ -101,7 +108,18 @@ class ConfirmSettings:
         if top > trial_limit:
             raise ConfigError(f"hydra.sweeper.confirm.top={top} is more than the sweep's {trial_limit:g} trials "
                               f"(hydra.sweeper.n_trials): lower top or raise n_trials")
-        return cls(top, seeds, objective, baseline, more, any(k in searched for k in LR_KEYS))
+        also = tuple([raw["also"]] if isinstance(raw.get("also"), str) else raw.get("also") or ())
+        for name in also:
+            if name == objective or not (name in OBJECTIVES or task_of(name)):
+                raise ConfigError(f"hydra.sweeper.confirm.also={list(also)}: {name!r} is not a second measure; use "
+                                  f"one of {', '.join(m for m in OBJECTIVES if m != objective)} or lm_eval/<task> (an "
+                                  "lm-eval task, e.g. lm_eval/kdsweep_next_word)")
+        return cls(top, seeds, objective, baseline, more, any(k in searched for k in LR_KEYS), also)
+
+    @property
+    def also_tasks(self) -> tuple[str, ...]:
+        """The lm-eval tasks the second measures name (the seeds' trials score them)."""
+        return tuple(t for t in map(task_of, self.also) if t)
 
     @property
     def baseline_search(self) -> int:
@@ -149,7 +167,7 @@ def plan(trials: list[dict[str, Any]], confirm: ConfirmSettings, objectives: tup
         if len(points) == confirm.top:
             break
     out: dict[str, Any] = {"objective": confirm.objective, "index": index, "direction": direction, "points": points,
-                           "items": [], "asked_top": confirm.top}
+                           "items": [], "asked_top": confirm.top, "also": list(confirm.also)}
     if not points:
         return out
     best = points[0]["params"]
@@ -374,10 +392,31 @@ def verdict(confirmation: dict[str, Any], trials: list[dict[str, Any]], objectiv
             f"{len(best['seeds'])} seeds; " + _judged(best["vs_ce_only"], "CE-only", direction))
     for r in tops[1:]:
         line += f"; {r['label']}: " + _judged(r["vs_best"], "top1", direction)
+    second = {name: _second_measure(name, done, best["label"]) for name in confirmation.get("also", [])}
+    for name, m in second.items():
+        line += f"; on {name}, top1 {m['mean']:.4f} ± {m['ci95']:.4f}: " + _judged(m["vs_ce_only"], "CE-only",
+                                                                                    m["direction"])
     more = confirmation.get("more_seeds", 0)
     if more:
         line += f"; {more} more seed{'s' if more > 1 else ''} of top1 and CE-only from what the budget left"
-    return {"points": rows, "best": best["label"], "line": f"{line}; {baseline_text(confirmation)}{short}"}
+    return {"points": rows, "best": best["label"], "line": f"{line}; {baseline_text(confirmation)}{short}",
+            **({"also": second} if second else {})}
+
+
+def _second_measure(name: str, done: list[dict[str, Any]], best: str) -> dict[str, Any]:
+    """A second measure (``confirm.also``) of top1 and CE-only over their seeds: top1's mean ± 95%, CE-only's, and
+    their paired difference, tested on its own (a family of one: the verdict's decision stays on its objective)."""
+    values: dict[str, dict[int, float]] = {best: {}, BASELINE: {}}
+    for t in done:
+        label, value = t["confirm"]["label"], (t.get("also") or {}).get(name, math.nan)
+        if label in values and math.isfinite(value):
+            values[label][t["confirm"]["seed"]] = value
+    mean, half = _interval(list(values[best].values()))
+    comparison = _paired(values[best], values[BASELINE])
+    holm([comparison])
+    return {"direction": "maximize" if task_of(name) else "minimize", "mean": mean, "ci95": half,
+            "ce_only": _interval(list(values[BASELINE].values()))[0], "seeds": sorted(values[best]),
+            "vs_ce_only": comparison}
 
 
 __all__ = ["BASELINE", "BASELINE_SEARCH", "CE_ONLY", "ConfirmSettings", "SEED_BASE", "UNBIASED", "add_seeds",

@@ -196,8 +196,11 @@ class Controller:
         # test split (confirm.UNBIASED); the CE-only learning-rate trials (seed None) run as the search's do
         seeded = item and item["seed"] is not None
         seed = [f"train.seed={item['seed']}", f"rollout.seed={item['seed']}", *confirm.UNBIASED] if seeded else []
-        return [*self.base, *(f"{k}={v}" for k, v in params.items()), *seed, f"trial.sweep_dir={self.sweep_dir}",
-                f"trial.number={number}", f"trial.study={self.settings.study_name}", f"hydra.run.dir={run_dir}"]
+        tasks = self.settings.downstream_tasks(confirming=bool(seeded))  # what its objectives and measures need
+        scored = [f"downstream.tasks=[{','.join(tasks)}]"] if tasks else []
+        return [*self.base, *(f"{k}={v}" for k, v in params.items()), *seed, *scored,
+                f"trial.sweep_dir={self.sweep_dir}", f"trial.number={number}",
+                f"trial.study={self.settings.study_name}", f"hydra.run.dir={run_dir}"]
 
     def _start(self, number: int) -> None:
         from kdsweep.config.schema import ConfigError
@@ -289,7 +292,8 @@ class Controller:
     def _finish(self, number: int, exit_code: int | str) -> None:
         entry = self.manifest.trial(number)
         outcome = judge(Path(entry["run_dir"]), exit_code, self.settings.objectives, entry["attempts"],
-                        self.settings.retries, entry["job"].get("logs", []))
+                        self.settings.retries, entry["job"].get("logs", []),
+                        also=self.confirm.also if self.confirm and entry.get("confirm") else ())
         if outcome.state == "RETRY":
             log.warning("trial %d: %s", number, outcome.reason)
             self._start(number)
@@ -304,11 +308,14 @@ class Controller:
             self.study._storage.set_trial_user_attr(trial_id, "reason", outcome.reason)
         if outcome.test:  # a confirmation trial's objectives on the test split (the dashboard shows them)
             self.study._storage.set_trial_user_attr(trial_id, "test", outcome.test)
+        if outcome.also:  # a confirmation trial's second measures
+            self.study._storage.set_trial_user_attr(trial_id, "also", outcome.also)
         state = {"COMPLETE": TrialState.COMPLETE, "PRUNED": TrialState.PRUNED, "FAIL": TrialState.FAIL}[outcome.state]
         self.study.tell(number, values=outcome.values if outcome.state == "COMPLETE" else None, state=state,
                         skip_if_finished=True)
         self.manifest.put(number, state=outcome.state, values=outcome.values, reason=outcome.reason,
-                          ended=time.time(), exit_code=exit_code, **({"test": outcome.test} if outcome.test else {}))
+                          ended=time.time(), exit_code=exit_code, **({"test": outcome.test} if outcome.test else {}),
+                          **({"also": outcome.also} if outcome.also else {}))
         shown = f"{outcome.values}" if outcome.values else outcome.reason
         log.info("trial %d %s %s", number, outcome.state, shown)
 

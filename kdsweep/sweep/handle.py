@@ -30,13 +30,16 @@ class TrialHandle:
         trial_id = storage.get_trial_id_from_study_id_trial_number(study._study_id, number)
         self.trial = optuna.trial.Trial(study, trial_id)
         self.number = number
-        # Optuna cannot prune multi-objective trials; a confirmation trial runs to its end
-        self.can_prune = not settings.multi_objective and not manifest.trials.get(str(number), {}).get("confirm")
+        # Optuna cannot prune multi-objective trials, nor on what has no value before the end (an lm-eval task);
+        # a confirmation trial runs to its end
+        self.can_prune = settings.prunes and not manifest.trials.get(str(number), {}).get("confirm")
         self.objective = settings.objectives[0]
 
     def report(self, step: int, evals: dict[str, float]) -> bool:
+        if not self.can_prune:
+            return False
         value = float(evals[self.objective])
-        if not self.can_prune or not math.isfinite(value):
+        if not math.isfinite(value):
             return False
         self.trial.report(value, step)
         prune = bool(self.trial.should_prune())  # optuna may answer with a numpy bool

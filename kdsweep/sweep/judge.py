@@ -21,11 +21,14 @@ class Outcome:
     reason: str = ""
     test: list[float] | None = None
     """The objectives on the test split (a confirmation trial's, ``train.eval_test``; None: not evaluated)."""
+    also: dict[str, float] | None = None
+    """A confirmation trial's second measures (``confirm.also``), on the split it is scored on."""
 
 
 def judge(run_dir: Path, exit_code: int | str, objectives: tuple[str, ...], attempts: int, retries: int,
-          logs: list[str] = ()) -> Outcome:
-    """What a finished job means for its trial, from its exit code (or scheduler state) and its run.json."""
+          logs: list[str] = (), also: tuple[str, ...] = ()) -> Outcome:
+    """What a finished job means for its trial, from its exit code (or scheduler state) and its run.json; ``also``:
+    the second measures a confirmation trial is scored on (a missing one is nan: the verdict leaves that seed out)."""
     record_path = run_dir / "run.json"
     record = json.loads(record_path.read_text()) if record_path.exists() else {}
     status = record.get("status")
@@ -34,7 +37,9 @@ def judge(run_dir: Path, exit_code: int | str, objectives: tuple[str, ...], atte
         if not all(math.isfinite(v) for v in values):
             return Outcome("FAIL", reason=f"the objective is not finite: {values}")
         test = record.get("test_after")
-        return Outcome("COMPLETE", values=values, test=[float(test[o]) for o in objectives] if test else None)
+        scored = test or record.get("eval_after") or {}
+        return Outcome("COMPLETE", values=values, test=[float(test[o]) for o in objectives] if test else None,
+                       also={m: float(scored.get(m, float("nan"))) for m in also} or None)
     if status == "pruned":
         return Outcome("PRUNED")
     if exit_code == "CANCELLED":  # by a user (scancel): not retried

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kdsweep.config.schema import ConfigError
+from kdsweep.evaluation.downstream import task_of
 
 SAMPLERS = ("tpe", "gp", "random", "grid")
 PRUNERS = ("percentile", "median", "halving", "hyperband", "none")
@@ -84,7 +85,9 @@ class SweepSettings:
     """percentile pruner: stop a trial whose eval is worse than this percentile of the others' at that step
     (50 is the median pruner; 75 stops only the worst quarter, for noisy early evals)."""
     objectives: tuple[str, ...] = ("student_ce",)
-    """Eval metrics to optimise, from OBJECTIVES; two or more make a Pareto study (no pruning then)."""
+    """Eval metrics to optimise, from OBJECTIVES, or an lm-eval task's headline metric, ``lm_eval/<task>`` (every
+    trial scores it once it has trained: ``downstream.tasks``; no pruning when it is the first, as it has no value
+    before the end); two or more make a Pareto study (no pruning then)."""
     directions: tuple[str, ...] = ("minimize",)
     retries: int = 1
     """How often a trial whose process was killed (not one that failed on its own) is restarted."""
@@ -115,8 +118,9 @@ class SweepSettings:
         _check(self.sampler in SAMPLERS, f"hydra.sweeper.sampler={self.sampler!r} is unknown; use one of {', '.join(SAMPLERS)}")
         _check(self.pruner in PRUNERS, f"hydra.sweeper.pruner={self.pruner!r} is unknown; use one of {', '.join(PRUNERS)}")
         _check(
-            len(self.objectives) >= 1 and all(o in OBJECTIVES for o in self.objectives),
-            f"hydra.sweeper.objectives={list(self.objectives)}: each must be one of {', '.join(OBJECTIVES)}",
+            len(self.objectives) >= 1 and all(o in OBJECTIVES or task_of(o) for o in self.objectives),
+            f"hydra.sweeper.objectives={list(self.objectives)}: each must be one of {', '.join(OBJECTIVES)} or "
+            "lm_eval/<task> (an lm-eval task's headline metric, e.g. lm_eval/kdsweep_next_word)",
         )
         _check(
             len(self.directions) == len(self.objectives) and all(d in DIRECTIONS for d in self.directions),
@@ -166,10 +170,11 @@ class SweepSettings:
 
     def idle_knobs(self) -> list[str]:
         """A line for each pruner setting given that this sweep's pruner does not read (the sweeper warns of it)."""
-        pruner = "none" if self.multi_objective else self.pruner
+        pruner = self.pruner if self.prunes else "none"
+        why = (f"hydra.sweeper.pruner={pruner}" if self.prunes else "a study of several objectives (no pruning)"
+               if self.multi_objective else f"the objective {self.objectives[0]} (no pruning: no value before the end)")
         defaults = {f.name: f.default for f in fields(self)}
-        return [f"hydra.sweeper.{name}={getattr(self, name)} does nothing with "
-                f"{'a study of several objectives (no pruning)' if self.multi_objective else f'hydra.sweeper.pruner={pruner}'}"
+        return [f"hydra.sweeper.{name}={getattr(self, name)} does nothing with {why}"
                 for name in PRUNER_READS["percentile"]
                 if getattr(self, name) != defaults[name] and name not in PRUNER_READS[pruner]]
 
@@ -208,6 +213,21 @@ class SweepSettings:
     @property
     def multi_objective(self) -> bool:
         return len(self.objectives) > 1
+
+    @property
+    def prunes(self) -> bool:
+        """Whether trials report their evaluations to the study and may be pruned: one objective, which a trial's
+        evaluations measure as it trains (Optuna prunes no study of several; an lm-eval task is scored once, at a
+        trial's end)."""
+        return not self.multi_objective and task_of(self.objectives[0]) is None
+
+    def downstream_tasks(self, confirming: bool) -> tuple[str, ...]:
+        """The lm-eval tasks a trial scores for the sweep: those its objectives name, and a confirmation seed's
+        second measures (``confirm.also``)."""
+        tasks = [t for t in map(task_of, self.objectives) if t]
+        if confirming and self.confirmation is not None:
+            tasks += [t for t in self.confirmation.also_tasks if t not in tasks]
+        return tuple(tasks)
 
 
 def redact(url: str | None) -> str | None:
@@ -314,7 +334,7 @@ def cache_bias_line(cache_method: str | None, params: dict[str, Any]) -> str | N
 def make_pruner(settings: SweepSettings) -> Any:
     import optuna
 
-    if settings.pruner == "none" or settings.multi_objective:
+    if settings.pruner == "none" or not settings.prunes:
         return optuna.pruners.NopPruner()
     if settings.pruner == "median":
         return optuna.pruners.MedianPruner(

@@ -6,7 +6,7 @@ import logging
 from typing import Any
 
 from kdsweep.config.schema import (
-    DataConfig, DistConfig, LossConfig, RolloutConfig, RunConfig, StudentConfig, TeacherCacheConfig,
+    DataConfig, DistConfig, DownstreamConfig, LossConfig, RolloutConfig, RunConfig, StudentConfig, TeacherCacheConfig,
 )
 from kdsweep.distributed import DistEnv
 from kdsweep.teacher.views import reads_chat_in_own_template
@@ -79,3 +79,7 @@ def warn_idle_knobs(cfg: RunConfig, dist: DistEnv) -> None:
         log.warning("data.eval_fraction has no effect: data.eval_datasets are the held-out set")
     if cfg.data.test_datasets and changed(cfg.data, DataConfig(), "test_fraction"):
         log.warning("data.test_fraction has no effect: data.test_datasets are the test split")
+    if not cfg.downstream.tasks:
+        for knob in ("include", "batch_size", "limit"):
+            if changed(cfg.downstream, DownstreamConfig(), knob):
+                log.warning("downstream.%s has no effect: downstream.tasks is empty (no lm-eval task is scored)", knob)

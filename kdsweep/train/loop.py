@@ -18,6 +18,7 @@ from kdsweep.config.schema import RunConfig
 from kdsweep.data.dataset import load_data
 from kdsweep.distributed import DistEnv, comm, device_for, failure, single_process
 from kdsweep.distributed.waits import from_rank0
+from kdsweep.evaluation import downstream
 from kdsweep.metrics.records import RunRecord
 from kdsweep.models.load import load_tokenizer, resolve_dir, unsharded_on_rank0
 from kdsweep.models.precision import enable_tf32
@@ -26,7 +27,7 @@ from kdsweep.train.kept import Kept
 from kdsweep.train.knobs import warn_idle_knobs
 from kdsweep.train.profile import step_profiler
 from kdsweep.train.resume import check_resumable, training_fingerprint
-from kdsweep.train.sources import open_sources
+from kdsweep.train.sources import Sources, open_sources
 from kdsweep.train.step import EvalResult, train_step
 from kdsweep.train.trial import peak_memory_mb, reset_peak_memory, start_trial
 
@@ -67,6 +68,34 @@ class RunResult:
     exports: dict[str, str] = field(default_factory=dict)
     test_after: EvalResult | None = None
     """The test split's evaluation after training (``train.eval_test`` and completed; else None)."""
+    downstream: dict[str, Any] = field(default_factory=dict)
+    """``{task: {metric, value, stderr, items}}`` of ``downstream.tasks`` on the trained student (completed runs)."""
+
+    def evals(self, result: EvalResult | None) -> dict[str, Any] | None:
+        """An evaluation as run.json keeps it: its metrics, and each downstream task's as ``lm_eval/<task>``."""
+        return {**asdict(result), **downstream.values(self.downstream)} if result else None
+
+
+def _deliver(cfg: RunConfig, student: torch.nn.Module, src: Sources, out: Path, dist: DistEnv,
+             step: int) -> tuple[dict[str, str], dict[str, Any]]:
+    """A completed run's trained student: its exports (``checkpoint``), and its scores on ``downstream.tasks``
+    (lm-eval on the merged student, written for them and removed after unless ``checkpoint.export_merged``)."""
+    ckpt, tasks = cfg.checkpoint, bool(cfg.downstream.tasks)
+    if not (ckpt.export_adapter or ckpt.export_merged or tasks):
+        return {}, {}
+    failure.doing("exporting the trained student")
+    full = unsharded_on_rank0(student, src.student_dir, cfg.model, cfg.train.dtype, cfg.train.seed, dist)
+    exports = from_rank0(dist, "export the trained student", lambda: exporting.export(  # peers wait outside collectives
+        full, src.tokenizer, out / "final", adapter=ckpt.export_adapter, merged=ckpt.export_merged or tasks))
+    if not tasks:
+        return exports, {}
+    failure.doing(f"scoring {', '.join(cfg.downstream.tasks)} with lm-eval")
+    scores, exports = from_rank0(dist, "score the downstream tasks", lambda: downstream.score(
+        exports, cfg.downstream, keep_merged=ckpt.export_merged))
+    log.info("downstream after %d steps: %s", step, ", ".join(
+        f"{t} {s['metric']} {s['value']:.4f}" + (f" ± {s['stderr']:.4f}" if s["stderr"] is not None else "")
+        for t, s in scores.items()))
+    return exports, scores
 
 
 def comm_record(in_steps: comm.Tally, whole: comm.Tally, steps: int) -> dict[str, Any]:
@@ -127,9 +156,10 @@ def run(
             objective=result.objective,
             steps=result.steps,
             eval_before=asdict(result.eval_before),
-            eval_after=asdict(result.eval_after) if result.eval_after else None,
-            test_after=asdict(result.test_after) if result.test_after else None,
+            eval_after=result.evals(result.eval_after),
+            test_after=result.evals(result.test_after),
             exports=result.exports,
+            **({"downstream": result.downstream} if result.downstream else {}),
             wall_seconds=time.time() - started,
         )
     return result
@@ -249,20 +279,16 @@ def _train(
         test_after = trial.evaluate_test()
         log.info("test-split CE after %d steps: student %.4f, teacher %.4f, KL %.4f (%d tokens)",
                  step, test_after.student_ce, test_after.teacher_ce, test_after.kl, test_after.tokens)
-    metrics.close({"objective": eval_after.student_ce, "status": status, "steps": step,
-                   **{f"eval/{k}": v for k, v in asdict(eval_after).items()},
-                   **{f"test/{k}": v for k, v in (asdict(test_after) if test_after else {}).items()}})
     log.info(
         "held-out CE after %d steps: student %.4f (before %.4f), teacher %.4f, KL %.4f",
         step, eval_after.student_ce, eval_before.student_ce, eval_after.teacher_ce, eval_after.kl,
     )
-    exports: dict[str, str] = {}
-    if status == "completed" and (cfg.checkpoint.export_adapter or cfg.checkpoint.export_merged):
-        failure.doing("exporting the trained student")
-        full = unsharded_on_rank0(student, src.student_dir, cfg.model, cfg.train.dtype, cfg.train.seed, dist)
-        exports = from_rank0(dist, "export the trained student", lambda: exporting.export(  # peers wait outside collectives
-            full, src.tokenizer, out / "final", adapter=cfg.checkpoint.export_adapter, merged=cfg.checkpoint.export_merged))
+    exports, scores = _deliver(cfg, student, src, out, dist, step) if status == "completed" else ({}, {})
+    metrics.close({"objective": eval_after.student_ce, "status": status, "steps": step,
+                   **{f"eval/{k}": v for k, v in asdict(eval_after).items()},
+                   **{f"test/{k}": v for k, v in (asdict(test_after) if test_after else {}).items()},
+                   **{f"downstream/{k}": v for k, v in downstream.values(scores).items()}})
     return RunResult(
         objective=eval_after.student_ce, status=status, steps=step, eval_before=eval_before,
-        eval_after=eval_after, output_dir=str(out), exports=exports, test_after=test_after,
+        eval_after=eval_after, output_dir=str(out), exports=exports, test_after=test_after, downstream=scores,
     )

@@ -123,6 +123,11 @@ CASES = {
     "fp16": (["train.dtype=fp16"], "train.dtype"),
     "required_files": (["data=instruction"], "data.datasets[0].path is required but not set; pass data.datasets.0.path=<value>"),
     "knob_conflict": (["loss.kd_ratio=0.9"], "loss.kd_ratio=0.9 disagrees with the sweep knob kd_ratio=0.5"),
+    "downstream_task": (["downstream.tasks=[no_such_task]"],
+                        "downstream.tasks=['no_such_task']: lm-eval knows no task 'no_such_task'; use "
+                        "kdsweep_next_word (shipped), a task of `lm-eval ls tasks`, or one in a YAML directory given "
+                        "with downstream.include=[DIR]"),
+    "downstream_limit": (["downstream.limit=0"], "downstream.limit=0 must be >= 1 (null: every item of each task)"),
 }
 
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from conftest import QUIET, kdsweep
+from conftest import QUIET, kdsweep, read_run
 from kdsweep.evaluation.task import TASK
 
 pytestmark = pytest.mark.slow
@@ -14,10 +14,11 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, zoo_dirs):
-    """``python -m kdsweep -m kd_ratio=0,0.5``: the embedded default (60 steps) and CE-only, the same otherwise."""
+    """``python -m kdsweep -m kd_ratio=0,0.5``: the embedded default (60 steps) and CE-only, the same otherwise; each
+    scores the shipped task once trained (``downstream.tasks``), at ``kdsweep eval``'s batch size."""
     root = tmp_path_factory.mktemp("eval")
-    kdsweep("-m", "kd_ratio=0.0,0.5", "train.threads=1", *QUIET, f"hydra.sweep.dir={root / 'sweep'}", cwd=root,
-            timeout=900)
+    kdsweep("-m", "kd_ratio=0.0,0.5", "train.threads=1", f"downstream.tasks=[{TASK}]", "downstream.batch_size=32",
+            *QUIET, f"hydra.sweep.dir={root / 'sweep'}", cwd=root, timeout=900)
     return root
 
 
@@ -38,6 +39,14 @@ def test_the_distilled_student_beats_the_undistilled_base_on_the_shipped_task(ru
     assert distilled["vs_base_se"] > 2
     assert ce_only["vs_base"] == pytest.approx(ce_only["value"] - base["value"])
     assert f"vs base {distilled['vs_base']:+.4f} ({distilled['vs_base_se']:+.1f} SE)" in out.stdout
+    # what each run scored itself at its end (downstream.tasks) is what kdsweep eval measured on its merged export
+    for name in ("0", "1"):
+        record = read_run(runs / "sweep" / name)
+        own = record["downstream"][TASK]
+        assert {k: own[k] for k in ("metric", "value", "stderr", "items")} == \
+            {k: rows[name][k] for k in ("metric", "value", "stderr", "items")}
+        assert record["eval_after"][f"lm_eval/{TASK}"] == own["value"]
+        assert (runs / "sweep" / name / "final" / "merged").is_dir()  # checkpoint.export_merged: kept
 
 
 def test_bad_input_is_one_line(runs, tmp_path):

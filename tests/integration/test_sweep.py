@@ -188,6 +188,14 @@ BAD = {
                      "hydra.sweeper.confirm.top=2"], "hydra.sweeper.confirm.top=2 is more than the trials the budget allows"),
     "confirm_pareto": (["hydra.sweeper.objectives=[student_ce,kl]", "hydra.sweeper.directions=[minimize,minimize]",
                         "hydra.sweeper.confirm.top=1"], "must name the one it ranks on: hydra.sweeper.confirm.objective="),
+    "lm_eval_task": (["hydra.sweeper.objectives=[lm_eval/no_such_task]", "hydra.sweeper.directions=[maximize]"],
+                     "hydra.sweeper's lm_eval/no_such_task: lm-eval knows no task 'no_such_task'; use "
+                     "kdsweep_next_word (shipped)"),
+    "lm_eval_own_tasks": (["hydra.sweeper.confirm.also=[lm_eval/kdsweep_next_word]",
+                           "downstream.tasks=[kdsweep_next_word]"],
+                          "downstream.tasks=['kdsweep_next_word']: the sweep scores its trials on "
+                          "lm_eval/kdsweep_next_word (hydra.sweeper.objectives, confirm.also) and sets "
+                          "downstream.tasks itself; drop it from the command line"),
     "confirm_no_test": (["data.test_fraction=0"], "and that job is refused: train.eval_test=true but data has no "
                         "test split; set data.test_fraction=0.05 (or data.test_datasets); or pass "
                         "hydra.sweeper.confirm.top=0"),

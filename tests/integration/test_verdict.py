@@ -23,6 +23,7 @@ pytestmark = pytest.mark.slow
 T_975_2DF = 4.303  # t(0.975, 2 df): 95% interval of 3 seeds; the second step of Holm's two
 T_9875_2DF = 6.205  # t(0.9875, 2 df): the first step of Holm's correction over two comparisons
 STEPS = 20
+SECOND = "lm_eval/kdsweep_next_word"
 
 
 def confirmed(tmp_path: Path, name: str, enqueue: list[dict], *overrides: str) -> dict:
@@ -56,9 +57,11 @@ def paired(values: dict, a: str, b: str) -> tuple[float, float, float]:
 @pytest.fixture(scope="module")
 def default_point(tmp_path_factory, zoo_dirs):
     """The embedded default's KD point (kd_ratio 0.5, lr 0.01) and the same with lr 0.0105; the trials keep their
-    adapters, as the shipped searches' do (kdsweep eval reads them)."""
+    adapters, as the shipped searches' do (kdsweep eval reads them); the confirmation's seeds are also scored on the
+    shipped lm-eval task, at kdsweep eval's batch size (``confirm.also``)."""
     return confirmed(tmp_path_factory.mktemp("verdict_default"), "known",
-                     [{"kd_ratio": 0.5, "lr": 0.01}, {"kd_ratio": 0.5, "lr": 0.0105}], "checkpoint.export_adapter=true")
+                     [{"kd_ratio": 0.5, "lr": 0.01}, {"kd_ratio": 0.5, "lr": 0.0105}], "checkpoint.export_adapter=true",
+                     f"hydra.sweeper.confirm.also=[{SECOND}]", "downstream.batch_size=32")
 
 
 def test_kd_at_the_embedded_default_beats_ce_only(default_point):
@@ -104,6 +107,13 @@ def test_eval_scores_the_confirmed_point_and_ce_only_over_their_seeds_beside_the
         assert len(r["values"]) == 3 and r["value"] == pytest.approx(statistics.fmean(r["values"]))
         assert r["half_width"] == pytest.approx(T_975_2DF * statistics.stdev(r["values"]) / math.sqrt(3), rel=1e-3)
         assert f"{r['value']:.4f} ± {r['half_width']:.4f}" in out.stdout and r["vs_base"] is not None
+    # the verdict's second measure: what each seed's trial scored itself once trained is what kdsweep eval measured
+    also = default_point["verdict"]["also"][SECOND]
+    assert also["mean"] == pytest.approx(rows[f"{best} (3 seeds)"]["value"], abs=1e-12)
+    assert also["ce_only"] == pytest.approx(rows["ce_only (3 seeds)"]["value"], abs=1e-12)
+    assert f"; on {SECOND}, top1 {also['mean']:.4f} ± {also['ci95']:.4f}: " in default_point["verdict"]["line"]
+    assert not [t for t in default_point["trials"].values()  # only the confirmation's seeds paid for it
+                if any(a.startswith("downstream.tasks=") for a in t["args"]) != bool(t.get("confirm"))]
     # the sweep keeps the table, and the analysis notebook's cell shows it
     assert json.loads((sweep / "eval.json").read_text()) == json.loads((tmp_path / "eval.json").read_text())
     assert f"saved in {sweep / 'eval.json'}" in out.stdout

@@ -15,6 +15,7 @@ class ConfirmConf:
     objective: Optional[str] = None
     baseline_trials: int = 4  # CE-only trials over the searched lr range, for the baseline's own lr (0: the best's)
     more_seeds: int = 3  # what a budget that ended the search leaves after them: this many more top1/CE-only seeds
+    also: List[str] = field(default_factory=list)  # second measures of the seeds, e.g. [lm_eval/kdsweep_next_word]
 
 
 @dataclass

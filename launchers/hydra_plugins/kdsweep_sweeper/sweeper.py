@@ -67,6 +67,7 @@ class KdsweepOptunaSweeper(Sweeper):
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
         first = self._validate_points(base, space, settings.enqueue, sweep_dir, settings.confirmation is not None)
         settings = settings.with_grace(first.train.max_steps)  # the grace period follows train.max_steps
+        _check_downstream(settings, first)
         backend = self._backend(settings, first, sweep_dir)
         bias = cache_bias_line(first.teacher.cache.method if first.teacher.logits == "cache" else None, params)
         if bias:
@@ -134,6 +135,29 @@ class KdsweepOptunaSweeper(Sweeper):
                                   f"({' '.join(UNBIASED)}), and that job is refused: {e}; or pass "
                                   "hydra.sweeper.confirm.top=0 for no confirmation") from None
         return configs[0]
+
+
+def _check_downstream(settings: Any, first: Any) -> None:
+    """The lm-eval tasks the sweep's objectives and second measures name: the sweep sets each trial's
+    ``downstream.tasks`` to them (a command line's own would be replaced: one line), and lm-eval must know them,
+    before any trial starts."""
+    import dataclasses
+
+    from kdsweep.config.schema import ConfigError
+    from kdsweep.evaluation import downstream
+
+    tasks = settings.downstream_tasks(confirming=True)
+    if not tasks:
+        return
+    if first.downstream.tasks:
+        raise ConfigError(f"downstream.tasks={list(first.downstream.tasks)}: the sweep scores its trials on "
+                          f"{', '.join(map(downstream.measure, tasks))} (hydra.sweeper.objectives, confirm.also) and "
+                          "sets downstream.tasks itself; drop it from the command line, and name a task to measure "
+                          "in hydra.sweeper.confirm.also=[lm_eval/<task>]")
+    downstream.check(dataclasses.replace(first.downstream, tasks=tasks),
+                     where=f"hydra.sweeper's {', '.join(map(downstream.measure, tasks))}")
+    if not settings.prunes and settings.pruner != "none" and not settings.multi_objective:
+        log.info("the objective %s is scored once a trial has trained: no pruning", settings.objectives[0])
 
 
 def trials_text(settings: Any) -> str:

@@ -390,3 +390,74 @@ def test_a_point_asked_but_never_completed_and_trials_never_run_are_said_so():
     assert verdict(plan, trials, ("student_ce",))["line"].endswith(
         "; the search completed 1 distinct point(s) of the 2 asked for confirmation before the budget (its "
         "confirmation's reserve included) ended it; 4 of its 6 trials ran: the device budget was spent before the rest")
+
+
+class Scored(Recorded):
+    """A trial given ``downstream.tasks`` also records each task's headline, as the trained student's lm-eval score
+    would be: higher with more KD here (accuracy, so higher is better), with a seed's noise."""
+
+    def poll(self, job):
+        super().poll(job)
+        v, path = job["values"], Path(job["run_dir"]) / "run.json"
+        record = json.loads(path.read_text())
+        for task in filter(None, v.get("downstream.tasks", "[]").strip("[]").split(",")):
+            acc = 0.30 + 0.2 * float(v["kd_ratio"]) + 0.01 * math.cos(int(v.get("train.seed", 0)) * 1.7)
+            for split in ("eval_after", "test_after"):
+                if split in record:
+                    record[split][f"lm_eval/{task}"] = acc + (0.005 if split == "test_after" else 0.0)
+        path.write_text(json.dumps(record))
+        return 0
+
+
+def test_a_second_measure_scores_only_the_confirmation_seeds_and_the_verdict_compares_it_paired(tmp_path):
+    task = "kdsweep_next_word"
+    manifest = sweep(tmp_path, Scored(), confirm={"top": 1, "seeds": 3, "also": f"lm_eval/{task}"})
+    trials = sorted(manifest.trials.values(), key=lambda t: t["number"])
+    scored = [t for t in trials if f"downstream.tasks=[{task}]" in t["args"]]
+    assert scored == [t for t in trials if t.get("confirm")] and len(scored) == 2 * 3  # the search pays nothing
+    by = {"top1": {}, "ce_only": {}}
+    for t in scored:
+        record = json.loads((Path(t["run_dir"]) / "run.json").read_text())
+        by[t["confirm"]["label"]][t["confirm"]["seed"]] = record["test_after"][f"lm_eval/{task}"]
+        assert t["also"] == {f"lm_eval/{task}": record["test_after"][f"lm_eval/{task}"]}  # the test split's
+    diffs = [by["top1"][s] - by["ce_only"][s] for s in sorted(by["top1"])]  # higher is better
+    mean, half = statistics.fmean(by["top1"].values()), T_975_2DF * statistics.stdev(by["top1"].values()) / 3 ** .5
+    gain, gain_ci = statistics.fmean(diffs), T_975_2DF * statistics.stdev(diffs) / math.sqrt(3)
+    line = manifest.data["verdict"]["line"]
+    # its own family of one: t(0.975, 2); the verdict's decision on student_ce is unchanged (Holm over 1 too)
+    assert (f"; on lm_eval/{task}, top1 {mean:.4f} ± {half:.4f}: beats CE-only by {gain:.4f} ± {gain_ci:.4f} "
+            f"(3 seeds; Holm over 1 comparison: t={T_975_2DF})") in line, line
+    assert line.index("beats CE-only") < line.index(f"on lm_eval/{task}")
+    assert manifest.data["verdict"]["also"][f"lm_eval/{task}"]["ce_only"] == pytest.approx(
+        statistics.fmean(by["ce_only"].values()))
+
+
+def test_an_lm_eval_objective_is_scored_by_every_trial_ranks_the_search_and_prunes_nothing(tmp_path):
+    from kdsweep.sweep.study import make_pruner
+
+    name = "lm_eval/kdsweep_next_word"
+    kw = {"objectives": (name,), "directions": ("maximize",), "pruner": "halving",
+          "confirm": {"top": 1, "seeds": 3}}
+    manifest = sweep(tmp_path, Scored(), **kw)
+    trials = sorted(manifest.trials.values(), key=lambda t: t["number"])
+    assert all("downstream.tasks=[kdsweep_next_word]" in t["args"] for t in trials)
+    search = trials[:6]
+    best = max(search, key=lambda t: t["values"][0])  # maximize: the highest score, here the highest kd_ratio
+    assert best["params"]["kd_ratio"] == max(t["params"]["kd_ratio"] for t in search)
+    assert manifest.data["confirmation"]["points"][0]["search_trial"] == best["number"]
+    assert not settings(**kw).prunes and type(make_pruner(settings(**kw))).__name__ == "NopPruner"
+    assert settings(pruner="halving").prunes
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"objectives": ("lm_eval/",), "directions": ("maximize",)},
+     "hydra.sweeper.objectives=['lm_eval/']: each must be one of student_ce, kl, teacher_ce or lm_eval/<task>"),
+    ({"confirm": {"top": 1, "seeds": 3, "also": "accuracy"}},
+     "hydra.sweeper.confirm.also=['accuracy']: 'accuracy' is not a second measure; use one of kl, teacher_ce or "
+     "lm_eval/<task>"),
+    ({"confirm": {"top": 1, "seeds": 3, "also": ["student_ce"]}}, "'student_ce' is not a second measure"),
+])
+def test_bad_lm_eval_measures_are_one_line(kw, message):
+    with pytest.raises(ConfigError) as e:
+        settings(**kw)
+    assert message in str(e.value) and "\n" not in str(e.value)
