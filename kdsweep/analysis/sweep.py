@@ -22,6 +22,7 @@ import pandas as pd
 from kdsweep.analysis.runs import read_metrics, read_record
 from kdsweep.config.schema import ConfigError
 from kdsweep.evaluation.report import EVAL_JSON
+from kdsweep.sweep.confirm import BASELINE
 
 EVAL_METRICS = ("student_ce", "kl", "teacher_ce")
 FINISHED = ("COMPLETE", "PRUNED")  # a trial in these states must have its run record
@@ -83,14 +84,20 @@ class Sweep:
         many completed), mean and ci95 (the 95% half-width over seeds) of the objective it ranks on, on ``split``
         (test; eval for a sweep planned without one), its mean on the eval split (``eval_mean``), and the paired
         differences to CE-only and to the best point (``vs_ce_only.mean`` / ``.ci95``, ``vs_best.*``), as the
-        verdict computed them; empty without a verdict."""
+        verdict computed them, and each second measure's mean over the seeds (``<measure>.mean``: the best point's
+        and CE-only's, ``hydra.sweeper.confirm.also``); empty without a verdict."""
+        verdict = self.manifest.get("verdict") or {}
+        also = verdict.get("also", {})
         columns = ["label", *(f"param.{k}" for k in self.params), "seeds", "split", "mean", "ci95", "eval_mean",
-                   "vs_ce_only.mean", "vs_ce_only.ci95", "vs_best.mean", "vs_best.ci95"]
+                   "vs_ce_only.mean", "vs_ce_only.ci95", "vs_best.mean", "vs_best.ci95", *(f"{m}.mean" for m in also)]
+        second = {verdict.get("best"): "mean", BASELINE: "ce_only"}  # the rows a second measure scores
         rows = [{"label": p["label"], **{f"param.{k}": p["params"].get(k) for k in self.params},
                  "seeds": len(p["seeds"]), "split": p.get("split", "eval"), "mean": p["mean"], "ci95": p["ci95"],
                  "eval_mean": p.get("eval_mean", p["mean"]),
-                 **{f"{ref}.{x}": (p.get(ref) or {}).get(x) for ref in ("vs_ce_only", "vs_best") for x in ("mean", "ci95")}}
-                for p in (self.manifest.get("verdict") or {}).get("points", [])]
+                 **{f"{ref}.{x}": (p.get(ref) or {}).get(x)
+                    for ref in ("vs_ce_only", "vs_best") for x in ("mean", "ci95")},
+                 **{f"{m}.mean": a.get(second[p["label"]]) if p["label"] in second else None for m, a in also.items()}}
+                for p in verdict.get("points", [])]
         return pd.DataFrame.from_records(rows, columns=columns)
 
     def evaluation(self) -> pd.DataFrame:

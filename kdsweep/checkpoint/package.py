@@ -113,7 +113,8 @@ def card(record: dict[str, Any], run_dir: Path, about: dict[str, Any], name: str
         "data": {k: (cfg.get("data") or {}).get(k) for k in ("datasets", "seq_len", "batch_size")},
         "loss": cfg.get("loss"), "optim": cfg.get("optim"),
         "steps": record.get("steps"), "seed": (cfg.get("train") or {}).get("seed"),
-        "eval_after": record.get("eval_after"), "test_after": record.get("test_after"), **about,
+        "eval_after": record.get("eval_after"), "test_after": record.get("test_after"),
+        "downstream": record.get("downstream") or {}, **about,
     }
 
 
@@ -132,6 +133,9 @@ def _markdown(facts: dict[str, Any]) -> str:
         if lora.get("lora_rank") else "- full fine-tune",
         f"- data: {facts['data']['datasets'] or 'the embedded corpus'}, sequences of {facts['data']['seq_len']}",
         f"- {split} split: student CE {num(scored.get('student_ce'))}, KL to the teacher {num(scored.get('kl'))}",
+        *(f"- lm-eval {task}: {d['metric']} {num(d['value'])}" + (f" ± {num(d['stderr'])} (standard error)"
+                                                                  if d.get("stderr") is not None else "")
+          + f", {d['items']} items" for task, d in facts.get("downstream", {}).items()),
         f"- run: `{facts['run_dir']}`",
     ]
     if facts.get("verdict"):

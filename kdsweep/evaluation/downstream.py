@@ -43,12 +43,24 @@ def score(exports: dict[str, str], cfg: DownstreamConfig, keep_merged: bool) -> 
     from kdsweep.evaluation.harness import evaluate, task_manager
 
     merged = Path(exports["merged"])
-    manager = task_manager(list(cfg.tasks), [Path(p) for p in cfg.include])
-    scores = evaluate(merged, list(cfg.tasks), manager, cfg.batch_size, cfg.limit)
-    if keep_merged:
-        return scores, exports
-    shutil.rmtree(merged, ignore_errors=True)
-    return scores, {k: v for k, v in exports.items() if k != "merged"}
+    try:
+        manager = task_manager(list(cfg.tasks), [Path(p) for p in cfg.include])
+        scores = evaluate(merged, list(cfg.tasks), manager, cfg.batch_size, cfg.limit)
+    finally:  # scored or not, a merged student written only to be scored does not stay on disk
+        if not keep_merged:
+            shutil.rmtree(merged, ignore_errors=True)
+    return scores, exports if keep_merged else {k: v for k, v in exports.items() if k != "merged"}
+
+
+def lower_is_better(record: dict[str, Any], name: str) -> str | None:
+    """Why a sweep cannot rank on the measure ``name`` as run.json ``record`` scored it: its task's headline metric is
+    lower-is-better (a perplexity; kdsweep ranks lm-eval measures higher-is-better), else None."""
+    task = task_of(name)
+    score = (record.get("downstream") or {}).get(task) if task else None
+    if score is None or score.get("higher_is_better") is not False:
+        return None
+    return (f"{name}: the task's headline metric, {score['metric']}, is lower-is-better, and a sweep ranks lm-eval "
+            "tasks by a higher-is-better one (acc); pick a task scored by accuracy")
 
 
 def values(scores: dict[str, Any]) -> dict[str, float]:
@@ -56,4 +68,4 @@ def values(scores: dict[str, Any]) -> dict[str, float]:
     return {measure(task): float(s["value"]) for task, s in scores.items()}
 
 
-__all__ = ["PREFIX", "check", "measure", "score", "task_of", "values"]
+__all__ = ["PREFIX", "check", "lower_is_better", "measure", "score", "task_of", "values"]

@@ -3,10 +3,11 @@ YAML directory (``include``), or any task lm-eval ships (those read their datase
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from kdsweep.config.schema import ConfigError
 
@@ -46,23 +47,44 @@ def task_manager(tasks: list[str], include: list[Path], flags: tuple[str, str] =
 
 def evaluate(model_dir: Path, tasks: list[str], manager: Any, batch_size: int,
              limit: int | None) -> dict[str, dict[str, Any]]:
-    """``{task: {metric, value, stderr, items}}`` of the Hugging Face model in ``model_dir`` (fp32; on the GPU when
-    there is one); ``manager``: :func:`task_manager`'s."""
+    """``{task: {metric, value, stderr, higher_is_better, items}}`` of the Hugging Face model in ``model_dir`` (fp32;
+    on the GPU when there is one); ``manager``: :func:`task_manager`'s. lm-eval is given the loaded model, so it sets
+    up no distribution of its own: in a trial's rank 0, with the job's process group open, it would otherwise take
+    the job's ranks for its own and wait for them."""
     lm_eval = require_lm_eval()
     import torch
+    from lm_eval.models.huggingface import HFLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a compute node: the shipped task reads no network
     device = "cuda" if torch.cuda.is_available() else "cpu"
     log.info("lm-eval: %s on %s (%s)", ", ".join(tasks), model_dir, device)
-    out = lm_eval.simple_evaluate(model="hf", model_args={"pretrained": str(model_dir), "dtype": "float32"},
-                                  tasks=tasks, batch_size=batch_size, device=device, limit=limit,
-                                  task_manager=manager, log_samples=False)
-    return {task: {**headline(out["results"][task]), "items": out["n-samples"][task]["effective"]} for task in tasks}
+    if device == "cuda":  # in a trial, what its training freed goes back before another copy of the student loads
+        torch.cuda.empty_cache()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    lm = HFLM(pretrained=model, tokenizer=AutoTokenizer.from_pretrained(model_dir), batch_size=batch_size)
+    with _offline():
+        out = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=limit, task_manager=manager, log_samples=False)
+    return {task: {**headline(out["results"][task], out["higher_is_better"].get(task, {})),
+                   "items": out["n-samples"][task]["effective"]} for task in tasks}
 
 
-def headline(result: dict[str, Any]) -> dict[str, Any]:
+@contextlib.contextmanager
+def _offline() -> Iterator[None]:
+    """HF_HUB_OFFLINE=1 while lm-eval reads its tasks (a compute node: the shipped task reads no network), and the
+    environment as it was after (a warm worker's later trials and their children see no change)."""
+    before = os.environ.get("HF_HUB_OFFLINE")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("HF_HUB_OFFLINE", None)
+
+
+def headline(result: dict[str, Any], higher: dict[str, bool] | None = None) -> dict[str, Any]:
     """A task's headline metric from lm-eval's results: ``acc`` when it has one, else its first metric; with its
-    standard error (None when lm-eval gives none)."""
+    standard error (None when lm-eval gives none) and whether higher is better (``higher``: lm-eval's
+    ``higher_is_better`` of the task; None when it does not say)."""
     metrics = [k for k in result if "," in k and "_stderr," not in k and isinstance(result[k], (int, float))]
     if not metrics:
         raise ConfigError(f"lm-eval reported no metric for task {result.get('alias')!r}")
@@ -70,7 +92,8 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
     name, where = key.split(",", 1)
     stderr = result.get(f"{name}_stderr,{where}")
     return {"metric": name, "value": float(result[key]),
-            "stderr": float(stderr) if isinstance(stderr, (int, float)) else None}
+            "stderr": float(stderr) if isinstance(stderr, (int, float)) else None,
+            "higher_is_better": (higher or {}).get(name)}
 
 
 __all__ = ["INSTALL", "evaluate", "headline", "require_lm_eval", "task_manager"]

@@ -74,9 +74,9 @@ class ConfirmSettings:
     lr_searched: bool = False
     also: tuple[str, ...] = ()
     """Second measures the confirmation's seeds are scored on too, each compared paired between top1 and CE-only
-    (its own family: the verdict's decision stays on ``objective``): an eval metric (``kl``; lower is better) or an
-    lm-eval task's headline (``lm_eval/<task>``, the seeds' trials score it: ``downstream.tasks``; higher is
-    better)."""
+    (its own family: the verdict's decision stays on ``objective``): a student's eval metric (``kl``, or
+    ``student_ce`` when it is not the objective; lower is better) or an lm-eval task's accuracy (``lm_eval/<task>``,
+    the seeds' trials score it: ``downstream.tasks``; higher is better)."""
 
     @classmethod
     def of(cls, raw: dict[str, Any] | None, objectives: tuple[str, ...], trial_limit: float,
@@ -109,17 +109,14 @@ class ConfirmSettings:
             raise ConfigError(f"hydra.sweeper.confirm.top={top} is more than the sweep's {trial_limit:g} trials "
                               f"(hydra.sweeper.n_trials): lower top or raise n_trials")
         also = tuple([raw["also"]] if isinstance(raw.get("also"), str) else raw.get("also") or ())
+        measures = [m for m in OBJECTIVES if m not in (objective, "teacher_ce")]  # the teacher's CE: not the student's
         for name in also:
-            if name == objective or not (name in OBJECTIVES or task_of(name)):
+            if not (name in measures or task_of(name)):
                 raise ConfigError(f"hydra.sweeper.confirm.also={list(also)}: {name!r} is not a second measure; use "
-                                  f"one of {', '.join(m for m in OBJECTIVES if m != objective)} or lm_eval/<task> (an "
-                                  "lm-eval task, e.g. lm_eval/kdsweep_next_word)")
+                                  f"{' or '.join(measures)} or lm_eval/<task> (an lm-eval task, e.g. "
+                                  "lm_eval/kdsweep_next_word)")
         return cls(top, seeds, objective, baseline, more, any(k in searched for k in LR_KEYS), also)
 
-    @property
-    def also_tasks(self) -> tuple[str, ...]:
-        """The lm-eval tasks the second measures name (the seeds' trials score them)."""
-        return tuple(t for t in map(task_of, self.also) if t)
 
     @property
     def baseline_search(self) -> int:

@@ -196,7 +196,7 @@ class Controller:
         # test split (confirm.UNBIASED); the CE-only learning-rate trials (seed None) run as the search's do
         seeded = item and item["seed"] is not None
         seed = [f"train.seed={item['seed']}", f"rollout.seed={item['seed']}", *confirm.UNBIASED] if seeded else []
-        tasks = self.settings.downstream_tasks(confirming=bool(seeded))  # what its objectives and measures need
+        tasks = self.settings.downstream_tasks(self._also(item))  # what its objectives and measures need
         scored = [f"downstream.tasks=[{','.join(tasks)}]"] if tasks else []
         return [*self.base, *(f"{k}={v}" for k, v in params.items()), *seed, *scored,
                 f"trial.sweep_dir={self.sweep_dir}", f"trial.number={number}",
@@ -285,6 +285,13 @@ class Controller:
             log.info("search: %d enqueued point(s) never ran (the search ended first): %s", len(unasked),
                      "; ".join(" ".join(f"{k}={v}" for k, v in t.params.items()) for t in unasked))
 
+    def _also(self, item: dict[str, Any] | None) -> tuple[str, ...]:
+        """The second measures a confirmation seed's trial is scored on, as the confirmation's plan keeps them (a
+        resumed sweep goes on with its plan's); none for any other trial."""
+        if not item or item.get("seed") is None:
+            return ()
+        return tuple((self.manifest.data.get("confirmation") or {}).get("also", ()))
+
     def _point(self, item: dict[str, Any]) -> dict[str, Any]:
         """The params of a confirmation item's point (the plan's)."""
         return confirm.point_params(self.manifest.data["confirmation"], item["label"])
@@ -293,7 +300,7 @@ class Controller:
         entry = self.manifest.trial(number)
         outcome = judge(Path(entry["run_dir"]), exit_code, self.settings.objectives, entry["attempts"],
                         self.settings.retries, entry["job"].get("logs", []),
-                        also=self.confirm.also if self.confirm and entry.get("confirm") else ())
+                        also=self._also(entry.get("confirm")))
         if outcome.state == "RETRY":
             log.warning("trial %d: %s", number, outcome.reason)
             self._start(number)

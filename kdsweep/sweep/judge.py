@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from kdsweep.evaluation.downstream import lower_is_better
 from kdsweep.metrics.records import describe_failure, failure_line, rank_failures
 
 
@@ -33,6 +34,9 @@ def judge(run_dir: Path, exit_code: int | str, objectives: tuple[str, ...], atte
     record = json.loads(record_path.read_text()) if record_path.exists() else {}
     status = record.get("status")
     if status == "completed" and (exit_code == 0 or isinstance(exit_code, str)):
+        wrong_way = next(filter(None, (lower_is_better(record, m) for m in (*objectives, *also))), None)
+        if wrong_way:
+            return Outcome("FAIL", reason=wrong_way)
         values = [float((record.get("eval_after") or {}).get(o, float("nan"))) for o in objectives]
         if not all(math.isfinite(v) for v in values):
             return Outcome("FAIL", reason=f"the objective is not finite: {values}")

@@ -127,6 +127,10 @@ class SweepSettings:
             f"hydra.sweeper.directions={list(self.directions)} must give minimize or maximize for each of the "
             f"{len(self.objectives)} objectives",
         )
+        wrong = [o for o, d in zip(self.objectives, self.directions) if task_of(o) and d != "maximize"]
+        _check(not wrong, f"hydra.sweeper.directions={list(self.directions)}: {', '.join(wrong)} is an lm-eval task's "
+               "accuracy, where higher is better; pass hydra.sweeper.directions="
+               f"[{','.join('maximize' if task_of(o) else d for o, d in zip(self.objectives, self.directions))}]")
         _check(self.retries >= 0, f"hydra.sweeper.retries={self.retries} must be >= 0")
         _check(self.storage_grace_s >= 0, f"hydra.sweeper.storage_grace_s={self.storage_grace_s} must be >= 0 seconds")
         _check(self.workers is None or self.workers >= 0,
@@ -221,13 +225,11 @@ class SweepSettings:
         trial's end)."""
         return not self.multi_objective and task_of(self.objectives[0]) is None
 
-    def downstream_tasks(self, confirming: bool) -> tuple[str, ...]:
-        """The lm-eval tasks a trial scores for the sweep: those its objectives name, and a confirmation seed's
-        second measures (``confirm.also``)."""
-        tasks = [t for t in map(task_of, self.objectives) if t]
-        if confirming and self.confirmation is not None:
-            tasks += [t for t in self.confirmation.also_tasks if t not in tasks]
-        return tuple(tasks)
+    def downstream_tasks(self, also: tuple[str, ...] = ()) -> tuple[str, ...]:
+        """The lm-eval tasks a trial scores for the sweep: those its objectives name, and those of the second
+        measures ``also`` (a confirmation seed's: ``confirm.also``, as its plan keeps them)."""
+        tasks = [t for t in map(task_of, (*self.objectives, *also)) if t]
+        return tuple(dict.fromkeys(tasks))
 
 
 def redact(url: str | None) -> str | None:

@@ -284,10 +284,12 @@ def _train(
         step, eval_after.student_ce, eval_before.student_ce, eval_after.teacher_ce, eval_after.kl,
     )
     exports, scores = _deliver(cfg, student, src, out, dist, step) if status == "completed" else ({}, {})
+    if scores and record is not None:  # scoring is the trial's device time too (a sweep's budget counts it)
+        record.cost(meter.snapshot())
     metrics.close({"objective": eval_after.student_ce, "status": status, "steps": step,
                    **{f"eval/{k}": v for k, v in asdict(eval_after).items()},
                    **{f"test/{k}": v for k, v in (asdict(test_after) if test_after else {}).items()},
-                   **{f"downstream/{k}": v for k, v in downstream.values(scores).items()}})
+                   **downstream.values(scores)})  # lm_eval/<task>, as eval_after names it
     return RunResult(
         objective=eval_after.student_ce, status=status, steps=step, eval_before=eval_before,
         eval_after=eval_after, output_dir=str(out), exports=exports, test_after=test_after, downstream=scores,

@@ -70,3 +70,26 @@ def test_bad_input_is_one_line(runs, tmp_path):
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and expected in lines[0], proc.stderr
         assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_a_merged_student_written_only_to_be_scored_is_removed_after_it_is_scored(zoo_dirs, tmp_path):
+    """``downstream.tasks`` with ``checkpoint.export_merged=false``: the merged export goes once scored (and when the
+    scoring fails), and the exports say so; with ``export_merged`` it stays."""
+    import shutil
+
+    from kdsweep.config.schema import DownstreamConfig
+    from kdsweep.evaluation import downstream
+
+    merged = tmp_path / "final" / "merged"
+    shutil.copytree(zoo_dirs["student"], merged)  # a model directory as the export writes it
+    exports = {"adapter": str(tmp_path / "final" / "adapter"), "merged": str(merged)}
+    scores, kept = downstream.score(exports, DownstreamConfig(tasks=(TASK,), limit=40), keep_merged=True)
+    assert merged.is_dir() and kept == exports and scores[TASK]["items"] == 40
+    assert scores[TASK]["metric"] == "acc" and scores[TASK]["higher_is_better"] is True
+    again, left = downstream.score(exports, DownstreamConfig(tasks=(TASK,), limit=40), keep_merged=False)
+    assert not merged.exists() and left == {"adapter": exports["adapter"]} and again == scores
+    shutil.copytree(zoo_dirs["student"], merged)
+    (merged / "config.json").write_text("{")  # a model lm-eval cannot load
+    with pytest.raises(Exception):
+        downstream.score(exports, DownstreamConfig(tasks=(TASK,), limit=40), keep_merged=False)
+    assert not merged.exists()

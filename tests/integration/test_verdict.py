@@ -114,6 +114,19 @@ def test_eval_scores_the_confirmed_point_and_ce_only_over_their_seeds_beside_the
     assert f"; on {SECOND}, top1 {also['mean']:.4f} ± {also['ci95']:.4f}: " in default_point["verdict"]["line"]
     assert not [t for t in default_point["trials"].values()  # only the confirmation's seeds paid for it
                 if any(a.startswith("downstream.tasks=") for a in t["args"]) != bool(t.get("confirm"))]
+    evaluated = [t for t in default_point["trials"].values()
+                 if (t.get("confirm") or {}).get("label") in (best, "ce_only")]
+    for t in evaluated:  # each evaluated seed's export's model card
+        (card,) = Path(t["run_dir"]).glob("export/*/README.md")  # kdsweep eval exported it from the adapter
+        score = read_run(Path(t["run_dir"]))["downstream"]["kdsweep_next_word"]
+        assert f"- lm-eval kdsweep_next_word: acc {score['value']:.4g} ± {score['stderr']:.4g} (standard error), " \
+               f"{score['items']} items" in card.read_text()
+    from kdsweep.analysis import load_sweep
+
+    table = load_sweep(sweep, study=False).confirmation().set_index("label")  # the notebook's confirmation table
+    assert table.loc[best, f"{SECOND}.mean"] == also["mean"]
+    assert table.loc["ce_only", f"{SECOND}.mean"] == also["ce_only"]
+    assert table[f"{SECOND}.mean"].isna().sum() == len(table) - 2  # scored for top1 and CE-only only
     # the sweep keeps the table, and the analysis notebook's cell shows it
     assert json.loads((sweep / "eval.json").read_text()) == json.loads((tmp_path / "eval.json").read_text())
     assert f"saved in {sweep / 'eval.json'}" in out.stdout

@@ -146,7 +146,10 @@ def _check_downstream(settings: Any, first: Any) -> None:
     from kdsweep.config.schema import ConfigError
     from kdsweep.evaluation import downstream
 
-    tasks = settings.downstream_tasks(confirming=True)
+    confirmation = settings.confirmation
+    if confirmation is None and (settings.confirm or {}).get("also"):
+        log.warning("hydra.sweeper.confirm.also has no effect with confirm.top=0 (no confirmation)")
+    tasks = settings.downstream_tasks(confirmation.also if confirmation else ())
     if not tasks:
         return
     if first.downstream.tasks:

@@ -56,7 +56,11 @@ def test_a_model_s_interval_is_over_the_items_and_seeds_take_the_t_interval():
 
 
 def test_the_headline_is_acc_else_the_task_s_first_metric():
-    got = headline({"alias": "t", "acc,none": 0.5, "acc_stderr,none": 0.01, "acc_norm,none": 0.6})
-    assert got == {"metric": "acc", "value": 0.5, "stderr": 0.01}
+    got = headline({"alias": "t", "acc,none": 0.5, "acc_stderr,none": 0.01, "acc_norm,none": 0.6},
+                   {"acc": True, "acc_norm": True})
+    assert got == {"metric": "acc", "value": 0.5, "stderr": 0.01, "higher_is_better": True}
+    got = headline({"alias": "t", "word_perplexity,none": 25.0, "word_perplexity_stderr,none": "N/A"},
+                   {"word_perplexity": False})
+    assert got == {"metric": "word_perplexity", "value": 25.0, "stderr": None, "higher_is_better": False}
     got = headline({"alias": "t", "exact_match,strict": 0.25, "exact_match_stderr,strict": "N/A"})
-    assert got == {"metric": "exact_match", "value": 0.25, "stderr": None}
+    assert got == {"metric": "exact_match", "value": 0.25, "stderr": None, "higher_is_better": None}

@@ -452,12 +452,31 @@ def test_an_lm_eval_objective_is_scored_by_every_trial_ranks_the_search_and_prun
 @pytest.mark.parametrize("kw, message", [
     ({"objectives": ("lm_eval/",), "directions": ("maximize",)},
      "hydra.sweeper.objectives=['lm_eval/']: each must be one of student_ce, kl, teacher_ce or lm_eval/<task>"),
+    ({"objectives": ("lm_eval/kdsweep_next_word",)},
+     "hydra.sweeper.directions=['minimize']: lm_eval/kdsweep_next_word is an lm-eval task's accuracy, where higher is "
+     "better; pass hydra.sweeper.directions=[maximize]"),
     ({"confirm": {"top": 1, "seeds": 3, "also": "accuracy"}},
-     "hydra.sweeper.confirm.also=['accuracy']: 'accuracy' is not a second measure; use one of kl, teacher_ce or "
-     "lm_eval/<task>"),
+     "hydra.sweeper.confirm.also=['accuracy']: 'accuracy' is not a second measure; use kl or lm_eval/<task>"),
     ({"confirm": {"top": 1, "seeds": 3, "also": ["student_ce"]}}, "'student_ce' is not a second measure"),
+    ({"confirm": {"top": 1, "seeds": 3, "also": ["teacher_ce"]}}, "'teacher_ce' is not a second measure"),
 ])
 def test_bad_lm_eval_measures_are_one_line(kw, message):
     with pytest.raises(ConfigError) as e:
         settings(**kw)
     assert message in str(e.value) and "\n" not in str(e.value)
+    if "pass hydra.sweeper.directions=" in message:  # what the line says to pass is accepted
+        settings(**kw, directions=tuple(message.split("directions=[")[-1].rstrip("]").split(",")))
+
+
+def test_a_trial_whose_lm_eval_measure_is_lower_is_better_fails_with_one_line(tmp_path):
+    from kdsweep.sweep.judge import judge
+
+    record = {"status": "completed", "eval_after": {"student_ce": 4.5, "lm_eval/wikitext": 25.0},
+              "downstream": {"wikitext": {"metric": "word_perplexity", "value": 25.0, "stderr": None,
+                                          "higher_is_better": False, "items": 62}}}
+    (tmp_path / "run.json").write_text(json.dumps(record))
+    outcome = judge(tmp_path, 0, ("lm_eval/wikitext",), attempts=1, retries=1)
+    assert outcome.state == "FAIL" and outcome.reason == (
+        "lm_eval/wikitext: the task's headline metric, word_perplexity, is lower-is-better, and a sweep ranks lm-eval "
+        "tasks by a higher-is-better one (acc); pick a task scored by accuracy")
+    assert judge(tmp_path, 0, ("student_ce",), attempts=1, retries=1).state == "COMPLETE"  # a plain run's record

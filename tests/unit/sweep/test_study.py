@@ -127,6 +127,22 @@ def test_trial_handle_reports_and_prunes_through_the_storage(tmp_path, kind, obj
     assert reloaded.trials[1].state == optuna.trial.TrialState.RUNNING  # only the controller tells states
 
 
+def test_a_trial_handle_of_an_lm_eval_objective_reports_nothing_before_the_end(tmp_path, monkeypatch):
+    """An lm-eval task is scored once a trial has trained: its evaluations have no value of it to report or prune
+    on (the trial's evals lack the key)."""
+    url = f"sqlite:///{tmp_path / 'o.db'}"
+    settings = S.SweepSettings(study_name="h", storage=url, pruner="median", pruner_startup_trials=0,
+                               objectives=("lm_eval/kdsweep_next_word",), directions=("maximize",))
+    Manifest.open(tmp_path, settings, [], [])
+    monkeypatch.setenv(STORAGE_ENV, url)
+    study = optuna.create_study(study_name="h", storage=S.make_storage(url), direction="maximize",
+                                pruner=S.make_pruner(settings))
+    trial = study.ask({"x": optuna.distributions.FloatDistribution(0, 1)})
+    handle = TrialHandle(str(tmp_path), trial.number)
+    assert handle.report(1, {"student_ce": 4.5, "kl": 0.5, "teacher_ce": 4.4}) is False
+    assert optuna.load_study(study_name="h", storage=S.make_storage(url)).trials[0].intermediate_values == {}
+
+
 @pytest.mark.parametrize("pruner", ["halving", "percentile", "median"])
 @pytest.mark.parametrize("grace", [0, 20])
 def test_the_grace_period_keeps_a_slow_start_until_that_step(pruner, grace):
