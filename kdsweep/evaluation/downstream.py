@@ -39,8 +39,8 @@ def check(cfg: DownstreamConfig, where: str | None = None) -> None:
 
 def score(exports: dict[str, str], cfg: DownstreamConfig, keep_merged: bool) -> tuple[dict[str, Any], dict[str, str]]:
     """``({task: {metric, value, stderr, higher_is_better, items}}, exports)`` of the merged student in
-    ``exports["merged"]``; that
-    export is removed after scoring unless ``keep_merged`` (it was written only to be scored)."""
+    ``exports["merged"]``; that export is removed after scoring unless ``keep_merged`` (it was written only to be
+    scored)."""
     from kdsweep.evaluation.harness import evaluate, task_manager
 
     merged = Path(exports["merged"])
