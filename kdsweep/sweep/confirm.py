@@ -117,7 +117,6 @@ class ConfirmSettings:
                                   "lm_eval/kdsweep_next_word)")
         return cls(top, seeds, objective, baseline, more, any(k in searched for k in LR_KEYS), also)
 
-
     @property
     def baseline_search(self) -> int:
         """How many CE-only learning-rate trials run (none when the search space has no learning rate)."""

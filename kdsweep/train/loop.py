@@ -69,7 +69,8 @@ class RunResult:
     test_after: EvalResult | None = None
     """The test split's evaluation after training (``train.eval_test`` and completed; else None)."""
     downstream: dict[str, Any] = field(default_factory=dict)
-    """``{task: {metric, value, stderr, items}}`` of ``downstream.tasks`` on the trained student (completed runs)."""
+    """``{task: {metric, value, stderr, higher_is_better, items}}`` of ``downstream.tasks`` on the trained student
+    (completed runs)."""
 
     def evals(self, result: EvalResult | None) -> dict[str, Any] | None:
         """An evaluation as run.json keeps it: its metrics, and each downstream task's as ``lm_eval/<task>``."""
