@@ -10,14 +10,17 @@ Two teacher → student pairs:
 Arms, each one ``python -m kdsweep`` job of ``--steps`` steps (evaluations, checkpoints and exports off):
 ``live`` and ``cache`` (``teacher.logits=cache``, ``sample`` k=12) with the default ``loss.impl``, and both with
 ``loss.impl=chunked``; each runs on this tree and, with ``--base REV``, on that commit (its worktree and venv under
-``$AB_ROOT``, default ``/tmp/kdsweep-ab``, shared with ``../shared/tools/ab_step.sh``). ``limit``: the same student
-(the same LoRA) in a process of its own, stepping ``F.cross_entropy`` on its full logits, one backward per
-micro-batch, the same AdamW and the same micro-batches' shapes: the least a step of this student can cost, which a
-cached step (the same plus reading its targets) is compared with. A first, unmeasured run of every arm builds what
-it caches; then ``--repeats`` interleaved rounds (every arm of every side in turn, the sides' order reversed every
-other round). Reported: per arm and side the
-median over rounds of each job's median ``step_s`` after its first 5 steps; head/base and cache/limit ratios; and,
-with ``--profile``, ``run_backward`` calls per micro-batch in a cProfile of ``--profile`` cached steps.
+``$AB_ROOT``, default ``/tmp/kdsweep-ab``, shared with ``../shared/tools/ab_step.sh``). Every job's step is paired, in
+its own process, with the plain step of a twin of its student (:func:`paired_run`: the same LoRA, ``F.cross_entropy``
+on its full logits, one backward per micro-batch, an AdamW of its own, the same micro-batches): the least a step of
+this student can cost, the limit a cached step (the same plus reading its targets) is held to; and a yardstick that
+runs the same code on both sides (the same torch, transformers and peft), so that the CPU's speed, which differs from
+one process to the next by ±10% on this VM, cancels in the step's ratio to it. A first, unmeasured run of every arm
+builds what it caches; then ``--repeats`` interleaved rounds (every arm of every side in turn, the sides' order
+reversed every other round). Reported per arm and side: the medians over rounds of each job's median step (after
+its first 5), of its twin's, and of their step-by-step ratio; head/base of the steps and of the ratios (the
+second cancels the process-to-process noise); and, with ``--profile``, ``run_backward`` calls per micro-batch in a
+cProfile of ``--profile`` cached steps.
 
     python benchmarks/step_time.py [--base 039b9d0] [--repeats 5] [--steps 60] [--pairs embedded vocab512]
                                    [--profile 120] [--work DIR] [--out benchmarks/results/step_time.json]
@@ -126,52 +129,76 @@ def kdsweep_job(python: Path, cache: Path, overrides: list[str], run_dir: Path, 
     return median_step_s(run_dir)
 
 
-def limit_step(student_dir: str, lora: dict, micro: list[int], steps: int, lr: float, out: Path) -> None:
-    """The plain step of the student (run in its own process by :func:`limit_job`): LoRA as kdsweep puts it on,
-    ``F.cross_entropy`` on the full logits of each micro-batch ``micro`` = [count, rows, length], one backward each,
-    AdamW; writes each step's seconds (timed as kdsweep's ``step_s``: from the batch to the optimizer's step)."""
+def paired_run(argv: list[str], out: Path) -> None:
+    """The ``limit`` arm's job (run in its own process by :func:`paired_job`): ``python -m kdsweep`` with ``argv``,
+    whose every step is paired with a plain step of a twin of its student, in the same process and on the same
+    micro-batches. The twin is a copy of the student as the job built it (the same LoRA, the same frozen base) with
+    an AdamW of its own; its step is ``F.cross_entropy`` on the full logits of each micro-batch, one backward each,
+    the optimizer's step: the least a step of this student can cost. The job's ``train_step`` and the twin's step
+    alternate which runs first; both are timed from the micro-batches to the optimizer's step, and each step's pair
+    of seconds is written to ``out``. In one process both see the same machine: the CPU's speed that differs from
+    one process to the next (±10% on this VM, the same code) cancels in their ratio."""
+    import copy
+
     import torch
     import torch.nn.functional as F
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(0)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(student_dir, dtype=torch.float32), LoraConfig(**lora))
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr)
-    vocab, (count, rows, length) = model.config.vocab_size, micro
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        for _ in range(count):
-            ids = torch.randint(0, vocab, (rows, length))
-            logits = model(input_ids=ids).logits
-            F.cross_entropy(logits.reshape(-1, vocab), ids.reshape(-1)).backward()
+    import kdsweep.train.loop as loop
+    from kdsweep.cli import main as kdsweep_main
+
+    real, pairs, twin = loop.train_step, [], {}
+
+    def plain(micro) -> None:
+        model, opt = twin["model"], twin["opt"]
+        for batch in micro:
+            logits = model(**batch.inputs()).logits
+            F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch.labels.reshape(-1)).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
-    out.write_text(json.dumps(times))
+
+    def paired(student, teacher, micro, optimizer, scheduler, **kw):
+        if not twin:
+            twin["model"] = copy.deepcopy(student)
+            twin["opt"] = torch.optim.AdamW([p for p in twin["model"].parameters() if p.requires_grad],
+                                            lr=optimizer.param_groups[0]["lr"])
+        t0 = time.perf_counter()
+        if len(pairs) % 2:
+            plain(micro)
+        t1 = time.perf_counter()
+        stats = real(student, teacher, micro, optimizer, scheduler, **kw)
+        t2 = time.perf_counter()
+        if not len(pairs) % 2:
+            plain(micro)
+        t3 = time.perf_counter()
+        pairs.append({"step_s": t2 - t1, "limit_s": (t1 - t0) + (t3 - t2)})
+        return stats
+
+    loop.train_step = paired
+    sys.argv = ["kdsweep", *argv]
+    try:
+        kdsweep_main()
+    except SystemExit as e:
+        if e.code:
+            raise
+    out.write_text(json.dumps(pairs))
 
 
-def limit_job(pair: str, work: Path, steps: int, out: Path) -> float:
-    """The ``limit`` arm: :func:`limit_step` in a fresh process; its median step after the first :data:`SKIP`."""
-    if pair == "embedded":
-        from kdsweep.models.zoo import model_dir
-
-        student, v = str(model_dir("tiny-student")), {"micro": [2, 8, 128]}
-        lora = dict(r=8, lora_alpha=16.0, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
-                                                                            "gate_proj", "up_proj", "down_proj",
-                                                                            "lm_head"])
-    else:
-        student, v = str(build_vocab512(work) / "student"), {"micro": [1, VOCAB512["micro"], VOCAB512["seq"]]}
-        lora = dict(r=8, lora_alpha=16.0, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    arg = json.dumps({"student": student, "lora": lora, "micro": v["micro"], "steps": steps, "lr": 1e-3,
-                      "out": str(out)})
-    subprocess.run([sys.executable, __file__, "--limit-job", arg], check=True, env={**os.environ,
-                   "PYTHONPATH": str(REPO)})
-    return statistics.median(json.loads(out.read_text())[SKIP:])
+def paired_job(python: Path, cache: Path, overrides: list[str], run_dir: Path) -> dict[str, float]:
+    """:func:`paired_run` of a job in a fresh process: the medians (after the first :data:`SKIP` steps) of its own
+    step, of the twin's plain step, and of their ratio step by step."""
+    out = Path(f"{run_dir}.pairs.json")
+    env = {**os.environ, "KDSWEEP_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    argv = [*COMMON, *overrides, f"hydra.run.dir={run_dir}"]
+    with open(f"{run_dir}.log", "w") as log:
+        done = subprocess.run([str(python), __file__, "--paired-run", json.dumps({"argv": argv, "out": str(out)})],
+                              stdout=log, stderr=subprocess.STDOUT, env=env, cwd=run_dir.parent)
+    if done.returncode:
+        raise SystemExit(f"{run_dir.name} failed: {Path(f'{run_dir}.log').read_text().strip().splitlines()[-1]}")
+    rows = json.loads(out.read_text())[SKIP:]
+    return {"step_s": statistics.median(r["step_s"] for r in rows),
+            "limit_s": statistics.median(r["limit_s"] for r in rows),
+            "ratio": statistics.median(r["step_s"] / r["limit_s"] for r in rows)}
 
 
 def backward_calls(profile: Path, steps: int, micro: int) -> dict[str, float]:
@@ -186,52 +213,49 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", help="an earlier commit to compare with (its own worktree and venv)")
     ap.add_argument("--pairs", nargs="+", default=["embedded", "vocab512"], choices=["embedded", "vocab512"])
-    ap.add_argument("--arms", nargs="+", default=[*ARMS, "limit"], choices=[*ARMS, "limit"])
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--profile", type=int, default=120, help="cached steps profiled with cProfile (0: none)")
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "kdsweep-step-time")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "step_time.json")
-    ap.add_argument("--limit-job", help=argparse.SUPPRESS)
+    ap.add_argument("--paired-run", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.limit_job:
-        spec = json.loads(args.limit_job)
-        return limit_step(spec["student"], spec["lora"], spec["micro"], spec["steps"], spec["lr"], Path(spec["out"]))
+    if args.paired_run:
+        spec = json.loads(args.paired_run)
+        return paired_run(spec["argv"], Path(spec["out"]))
     head = (Path(os.environ.get("AB_PY", REPO / ".venv" / "bin" / "python")), args.work / "cache-head")
     sides = {"head": head, **({"base": base_python(args.base)} if args.base else {})}
     steps = [f"train.max_steps={args.steps}"]
-    jobs = [(pair, arm, side) for pair in args.pairs for arm in args.arms if arm != "limit" for side in sides]
+    jobs = [(pair, arm, side) for pair in args.pairs for arm in args.arms for side in sides]
     runs = args.work / "runs" / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     for pair, arm, side in jobs:  # builds the zoo, the tokenization and the teacher caches: not measured
         python, cache = sides[side]
         kdsweep_job(python, cache, [*steps, *pair_overrides(pair, args.work), *ARMS[arm]],
                     runs / f"warm-{pair}-{arm}-{side}")
-    times: dict[str, dict[str, dict[str, list[float]]]] = {p: {} for p in args.pairs}
+    runs_of: dict[str, dict[str, dict[str, list[dict[str, float]]]]] = {p: {} for p in args.pairs}
     for r in range(args.repeats):
         for pair in args.pairs:
             for arm in args.arms:
-                order = list(sides) if r % 2 == 0 else list(reversed(sides))  # ABBA: no side always runs first
-                for side in ["limit"] if arm == "limit" else order:
+                for side in list(sides) if r % 2 == 0 else list(reversed(sides)):  # ABBA: no side always first
                     run = runs / f"{pair}-{arm}-{side}-{r}"
-                    if arm == "limit":
-                        t = limit_job(pair, args.work, args.steps, Path(f"{run}.json"))
-                    else:
-                        python, cache = sides[side]
-                        t = kdsweep_job(python, cache, [*steps, *pair_overrides(pair, args.work), *ARMS[arm]], run)
-                    times[pair].setdefault(arm, {}).setdefault(side, []).append(t)
-                    print(f"round {r}  {pair:<9} {arm:<14} {side:<5} {t * 1e3:8.1f} ms", flush=True)
+                    got = paired_job(*sides[side], [*steps, *pair_overrides(pair, args.work), *ARMS[arm]], run)
+                    runs_of[pair].setdefault(arm, {}).setdefault(side, []).append(got)
+                    print(f"round {r}  {pair:<9} {arm:<14} {side:<5} {got['step_s'] * 1e3:8.1f} ms  "
+                          f"twin {got['limit_s'] * 1e3:6.1f} ms  ratio {got['ratio']:.3f}", flush=True)
     sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "host": platform.node(), "cpus": os.cpu_count(), "repeats": args.repeats, "steps": args.steps,
               "skip": SKIP, "base": args.base, "git_sha": sha.stdout.strip(),
               "command": "python benchmarks/step_time.py " + " ".join(sys.argv[1:]), "pairs": {}}
-    for pair, arms in times.items():
-        med = {arm: {side: statistics.median(ts) for side, ts in by_side.items()} for arm, by_side in arms.items()}
-        out = {"step_s": med, "runs_s": arms}
+    for pair, arms in runs_of.items():
+        med = {arm: {side: {k: statistics.median(j[k] for j in jobs) for k in ("step_s", "limit_s", "ratio")}
+                     for side, jobs in by_side.items()} for arm, by_side in arms.items()}
+        out: dict = {"median": med, "runs": arms,
+                     "over_limit": {arm: m["head"]["ratio"] for arm, m in med.items()}}
         if args.base:
-            out["head_over_base"] = {a: m["head"] / m["base"] for a, m in med.items() if "base" in m}
-        if "limit" in med:
-            out["over_limit"] = {a: m["head"] / med["limit"]["limit"] for a, m in med.items() if "head" in m}
+            out["head_over_base"] = {arm: m["head"]["step_s"] / m["base"]["step_s"] for arm, m in med.items()}
+            out["head_over_base_paired"] = {arm: m["head"]["ratio"] / m["base"]["ratio"] for arm, m in med.items()}
         result["pairs"][pair] = out
     if args.profile:
         micro = {"embedded": 2, "vocab512": 1}
@@ -243,13 +267,14 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     for pair, out in result["pairs"].items():
-        print(f"\n{pair}: median step_s (ms) over {args.repeats} interleaved rounds")
-        for arm, m in out["step_s"].items():
-            cols = "  ".join(f"{side} {t * 1e3:7.1f}" for side, t in m.items())
-            ratio = f"  head/base {out['head_over_base'][arm]:.2f}" if arm in out.get("head_over_base", {}) else ""
-            limit = out.get("over_limit", {})
-            lim = f"  head/limit {limit[arm]:.2f}" if arm in limit and arm != "limit" else ""
-            print(f"  {arm:<14} {cols}{ratio}{lim}")
+        print(f"\n{pair}: medians over {args.repeats} interleaved rounds of each job's median step (ms), of its "
+              f"twin's plain CE step, and of their ratio step by step")
+        for arm, m in out["median"].items():
+            cols = "  ".join(f"{side} {v['step_s'] * 1e3:6.1f} (twin {v['limit_s'] * 1e3:5.1f}, x{v['ratio']:.3f})"
+                             for side, v in m.items())
+            ratio = (f"  head/base {out['head_over_base'][arm]:.2f}, over the twins "
+                     f"{out['head_over_base_paired'][arm]:.2f}") if "head_over_base" in out else ""
+            print(f"  {arm:<14} {cols}{ratio}")
         if "profile_cache" in out:
             p = out["profile_cache"]
             print(f"  cProfile of {p['steps']} cached steps: {p['per_micro_batch']:.2f} run_backward per micro-batch")
