@@ -47,7 +47,7 @@ def one(arm: str, vocab: int, batch: int, seq: int, steps: int) -> dict:
     from kdsweep.distributed import single_process
     from kdsweep.teacher.absent import TeacherFree
     from kdsweep.teacher.live import LiveTeacher
-    from kdsweep.train.step import train_step
+    from kdsweep.train.step import Learner, train_step
 
     torch.set_num_threads(1)
 
@@ -77,7 +77,7 @@ def one(arm: str, vocab: int, batch: int, seq: int, steps: int) -> dict:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         else:
-            train_step(student, source, [Batch(x, y)], optimizer, scheduler, loss_cfg=loss_cfg, max_grad_norm=1.0,
+            train_step([Learner(student, source, optimizer, scheduler, loss_cfg, max_grad_norm=1.0)], [Batch(x, y)],
                        dist=single_process())
         times.append(time.perf_counter() - t0)
     return {"step_s": statistics.median(times[1:]), "steps": steps}

@@ -147,7 +147,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     from kdsweep.distributed import single_process
     from kdsweep.models.load import load_student, load_teacher, load_tokenizer, resolve_dir
     from kdsweep.train import schedule
-    from kdsweep.train.step import train_step
+    from kdsweep.train.step import Learner, train_step
 
     arm, seed = spec["arm"], spec["seed"]
     t_start = time.perf_counter()
@@ -179,8 +179,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         shares = sampler.rank_micro_batches(step, 0, 1, spec["micro_batch_size"])
         t0, c0 = time.perf_counter(), time.process_time()
         micro = [rows.batch(idx) for idx in shares]
-        stats = train_step(student, LiveTeacher(teacher), micro, optimizer, scheduler, loss_cfg=loss_cfg,
-                           max_grad_norm=optim_cfg.max_grad_norm, dist=dist)
+        learner = Learner(student, LiveTeacher(teacher), optimizer, scheduler, loss_cfg, optim_cfg.max_grad_norm)
+        stats, = train_step([learner], micro, dist=dist)
         dt, dc = time.perf_counter() - t0, time.process_time() - c0
         losses.append(stats.loss)
         if step < warmup:

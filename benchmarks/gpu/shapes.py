@@ -177,7 +177,7 @@ def timed_steps(model: nn.Module, source: Any, data, sizes: Sizes, impl: str, de
     from kdsweep.config.schema import OptimConfig
     from kdsweep.distributed import single_process
     from kdsweep.train import schedule
-    from kdsweep.train.step import train_step
+    from kdsweep.train.step import Learner, train_step
 
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     scheduler = schedule.build(optimizer, OptimConfig(lr=1e-5), 1000)
@@ -190,8 +190,8 @@ def timed_steps(model: nn.Module, source: Any, data, sizes: Sizes, impl: str, de
         sync(device)
         t0 = time.perf_counter()
         with compute():
-            stats = train_step(model, source, [batch], optimizer, scheduler, loss_cfg=loss_cfg(impl), max_grad_norm=1.0,
-                               dist=single_process())
+            stats, = train_step([Learner(model, source, optimizer, scheduler, loss_cfg(impl), max_grad_norm=1.0)],
+                                [batch], dist=single_process())
         sync(device)
         times.append(time.perf_counter() - t0)
     step_s = statistics.median(times[warmup:])
@@ -342,7 +342,8 @@ def loss_alone(sizes: Sizes, t: nn.Module, device: torch.device, budget: Budget)
             h_s.grad = None
             base = reset_peak(device)
             t0 = time.perf_counter()
-            micro_batch_backward(model, source, batch, loss_cfg(impl), torch.tensor(1.0 / (mb * seq), device=device))
+            with source.targets(batch) as targets:
+                micro_batch_backward(model, targets, batch, loss_cfg(impl), torch.tensor(1 / (mb * seq), device=device))
             sync(device)
             times.append(time.perf_counter() - t0)
             peaks.append(peak_gb(device, base))

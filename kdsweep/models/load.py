@@ -43,7 +43,8 @@ def load_tokenizer(model_dir: Path):
     return tok
 
 
-def _from_pretrained(model_dir: Path, dtype: torch.dtype) -> nn.Module:
+def read_model(model_dir: Path, dtype: torch.dtype) -> nn.Module:
+    """The model in ``model_dir`` as transformers reads it, whole, on the host, in ``dtype`` (no KV cache)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -76,10 +77,10 @@ def _build(
     wrap: Callable[[nn.Module], nn.Module], trainable: bool, placement: Placement, precision: Precision, owner: str,
 ) -> nn.Module:
     if env.world_size == 1:
-        model = wrap(_from_pretrained(model_dir, dtype))
+        model = wrap(read_model(model_dir, dtype))
         prepare(model, cfg, trainable)
         return model.to(device)
-    source = wrap(_from_pretrained(model_dir, dtype)) if env.is_main else None
+    source = wrap(read_model(model_dir, dtype)) if env.is_main else None
     model = wrap(_on_meta(model_dir, dtype))
     prepare(model, cfg, trainable)
     with comm.owned_by(owner):  # loading's broadcasts: once per job, counted as this model's
@@ -97,8 +98,10 @@ def _build(
     return model
 
 
-def model_bytes(model_dir: Path, dtype: torch.dtype, wrap: Callable[[nn.Module], nn.Module] = lambda m: m) -> tuple[int, int]:
-    """(bytes of the model's weights as held, its trainable parameters), counted on the meta device (no weights read)."""
+def model_bytes(model_dir: Path, dtype: torch.dtype,
+                wrap: Callable[[nn.Module], nn.Module] = lambda m: m) -> tuple[int, int]:
+    """(bytes of the model's weights as held, its trainable parameters), counted on the meta device (no weights
+    read)."""
     model = wrap(_on_meta(model_dir, dtype))
     return parameter_bytes(model), sum(p.numel() for p in model.parameters() if p.requires_grad)
 
@@ -212,6 +215,6 @@ def unsharded_on_rank0(
     if not env.is_main:
         return None
     precision = Precision(dtype)
-    model = student_wrapper(cfg, seed, dtype)(_from_pretrained(model_dir, precision.student_dtype(cfg.lora_rank == 0)))
+    model = student_wrapper(cfg, seed, dtype)(read_model(model_dir, precision.student_dtype(cfg.lora_rank == 0)))
     model.load_state_dict(state)
     return model

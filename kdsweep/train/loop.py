@@ -28,7 +28,7 @@ from kdsweep.train.knobs import warn_idle_knobs
 from kdsweep.train.profile import step_profiler
 from kdsweep.train.resume import check_resumable, training_fingerprint
 from kdsweep.train.sources import Sources, open_sources
-from kdsweep.train.step import EvalResult, train_step
+from kdsweep.train.step import EvalResult, Learner, train_step
 from kdsweep.train.trial import peak_memory_mb, reset_peak_memory, start_trial
 
 log = logging.getLogger(__name__)
@@ -190,13 +190,15 @@ def _train(
     from tqdm import tqdm
 
     bar = tqdm(
-        total=cfg.train.max_steps, initial=trial.start_step, desc="kd", disable=not (cfg.logger.progress_bar and dist.is_main)
+        total=cfg.train.max_steps, initial=trial.start_step, desc="kd",
+        disable=not (cfg.logger.progress_bar and dist.is_main),
     )
     profiler = step_profiler(cfg.profiler, out, device, dist.rank)
     reset_peak_memory(device)  # train rows' peak_mem_mb: the steps' (and evaluations'), not loading's transients
     meter.start_loop()
     in_steps = comm.Tally()  # what the training steps issued (the rest: loading, evaluations, checkpoints)
     evaluated: dict[int, EvalResult] = {}  # the loop's last evaluation, by step: a pruned trial is evaluated once
+    learner = Learner(student, teacher.train, optimizer, scheduler, cfg.loss, o.max_grad_norm, trial.chunks)
     with profiler:
         while step < cfg.train.max_steps:
             failure.doing(f"training step {step + 1}")
@@ -207,8 +209,7 @@ def _train(
                 micro = rollout.batches(step, [train_rows.batch(idx).to(device) for idx in shares])
             work = rollout.work(sum(int(train_rows.tokens[idx].sum()) for idx in shares))  # data: non-padding
             meter.step(work.tokens, work.teacher_generated)
-            stats = train_step(student, teacher.train, micro, optimizer, scheduler, loss_cfg=cfg.loss,
-                               max_grad_norm=o.max_grad_norm, dist=dist, compute=trial.compute, chunks=trial.chunks)
+            stats, = train_step([learner], micro, dist=dist, compute=trial.compute)
             profiler.step()
             elapsed = time.perf_counter() - t_step
             step += 1

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
-from typing import Callable, ContextManager
+from typing import Callable, ContextManager, Sequence
 
 import torch
 from torch import nn
@@ -35,12 +36,13 @@ class StepStats:
     lr: float
 
 
-def micro_batch_backward(student: nn.Module, teacher: TeacherSource, batch: Batch, loss_cfg: LossConfig,
+def micro_batch_backward(student: nn.Module, targets: Targets, batch: Batch, loss_cfg: LossConfig,
                          scale: torch.Tensor, compute: Callable[[], ContextManager] = contextlib.nullcontext,
                          chunks: int | None = None) -> LossSums:
     """Forward and backward of one micro-batch's loss (its sums times ``scale``); returns the sums, detached.
 
-    The teacher's targets come from ``teacher`` (a live model or a cache: :mod:`kdsweep.teacher`). When the loss fits
+    ``targets``: the teacher's for this batch (from a live model or a cache: :mod:`kdsweep.teacher`; made by the
+    step, once for every learner that trains on them, and held until their backwards are done). When the loss fits
     in one chunk (:mod:`kdsweep.train.chunks`) it is the plain graph: the student's logits, the whole loss, one
     backward. Otherwise ``loss.impl`` says how its chunks are made: from the full logits (chunked), or from the final
     hidden states through the output layer (fused: the B×T×V logits never exist); each chunk is differentiated at
@@ -51,24 +53,22 @@ def micro_batch_backward(student: nn.Module, teacher: TeacherSource, batch: Batc
     kw = {"divergence": loss_cfg.divergence, "beta": loss_cfg.beta, "temperature": loss_cfg.temperature,
           "ignore_index": loss_cfg.ignore_index}
     kd_ratio = batch.kd_weight(loss_cfg.kd_ratio)
-    with contextlib.ExitStack() as held:
-        with compute():
-            targets = held.enter_context(teacher.targets(batch))  # a live teacher's forward runs here
-            tokens, vocab = batch.labels.numel(), output_rows(student)
-            chunks = loss_cfg.chunks_for(tokens, vocab) if chunks is None else chunks
-            if chunks == 1:  # the plain graph (in cache-sized pieces on a CPU, still one graph)
-                sums = kd_loss_sums(student(**batch.inputs()).logits, targets, batch.labels,  # no **kw: see chunked
-                                    num_chunks=pieces_for(batch.labels.device, tokens, vocab), once=True,
-                                    divergence=loss_cfg.divergence, beta=loss_cfg.beta,
-                                    temperature=loss_cfg.temperature, ignore_index=loss_cfg.ignore_index)
-                mixed = sums.total(kd_ratio)
-            elif loss_cfg.impl == "fused":
-                sums, mixed = fused_loss_sums(student, batch.inputs(), targets, batch.labels, kd_ratio=kd_ratio,
-                                              num_chunks=chunks, **kw)
-            else:
-                sums, mixed = chunked_loss_sums(student(**batch.inputs()).logits, targets, batch.labels,
-                                                kd_ratio=kd_ratio, num_chunks=chunks, **kw)
-        (mixed * scale).backward()
+    with compute():
+        tokens, vocab = batch.labels.numel(), output_rows(student)
+        chunks = loss_cfg.chunks_for(tokens, vocab) if chunks is None else chunks
+        if chunks == 1:  # the plain graph (in cache-sized pieces on a CPU, still one graph)
+            sums = kd_loss_sums(student(**batch.inputs()).logits, targets, batch.labels,  # no **kw: see chunked
+                                num_chunks=pieces_for(batch.labels.device, tokens, vocab), once=True,
+                                divergence=loss_cfg.divergence, beta=loss_cfg.beta,
+                                temperature=loss_cfg.temperature, ignore_index=loss_cfg.ignore_index)
+            mixed = sums.total(kd_ratio)
+        elif loss_cfg.impl == "fused":
+            sums, mixed = fused_loss_sums(student, batch.inputs(), targets, batch.labels, kd_ratio=kd_ratio,
+                                          num_chunks=chunks, **kw)
+        else:
+            sums, mixed = chunked_loss_sums(student(**batch.inputs()).logits, targets, batch.labels,
+                                            kd_ratio=kd_ratio, num_chunks=chunks, **kw)
+    (mixed * scale).backward()
     return LossSums(*(t.detach() for t in sums))
 
 
@@ -90,52 +90,81 @@ def _eval_chunks(student: nn.Module, targets: Targets, batch: Batch, loss_cfg: L
             yield head_s(hs_c), t_c, y_c
 
 
+@dataclass
+class Learner:
+    """One student trained by :func:`train_step`: what a trial owns of a step. Several learners in one step train on
+    the same micro-batches (a packed job's members); each is exactly the trial it would be alone."""
+
+    student: nn.Module
+    teacher: TeacherSource
+    """Where its targets come from in training: learners that give the same source share each micro-batch's targets
+    (made once); a ``kd_ratio=0`` learner's gives none (:class:`~kdsweep.teacher.absent.TeacherFree`)."""
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    loss_cfg: LossConfig
+    max_grad_norm: float
+    """Clip its gradients' global norm to this (0: measured, not clipped)."""
+    chunks: int | None = None
+    """Its loss's chunks per micro-batch (:func:`micro_batch_backward`)."""
+
+
 def train_step(
-    student: nn.Module,
-    teacher: TeacherSource,
+    learners: Sequence[Learner],
     micro_batches: list[Batch],
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
     *,
-    loss_cfg: LossConfig,
-    max_grad_norm: float,
     dist: DistEnv,
     compute: Callable[[], ContextManager] = contextlib.nullcontext,
-    chunks: int | None = None,
-) -> StepStats:
-    """Accumulate gradients over ``micro_batches``, clip, step the optimizer and the schedule.
+) -> list[StepStats]:
+    """One optimizer step of each learner: accumulate its gradients over ``micro_batches``, clip, step its optimizer
+    and schedule; its stats, in the learners' order.
 
     Every micro-batch's loss is a *sum* over its valid tokens divided by the valid tokens of the whole step on
     all ranks, so the gradient equals that of the token-mean loss of the global batch, however the batch is
     split over ranks and micro-batches. Gradient reduction across ranks averages (FSDP/DDP default); the
-    ``world_size`` factor turns that average back into the sum the normalisation assumes. ``compute``: what each
-    micro-batch's forwards and loss run under (autocast to bf16 for an unsharded bf16 student); clipping and the
-    optimizer step run outside it. ``chunks``: each micro-batch's loss chunks (:func:`micro_batch_backward`).
-    """
-    ignore = loss_cfg.ignore_index
-    local_tokens = sum((b.labels != ignore).sum() for b in micro_batches)
+    ``world_size`` factor turns that average back into the sum the normalisation assumes. ``compute``: what the
+    forwards and the losses run under (autocast to bf16 for an unsharded bf16 student); clipping and the optimizer
+    steps run outside it. The micro-batches are the outer loop: each one's targets are made once per teacher source,
+    held while every learner that reads them runs its forward and backward, and let go before the next micro-batch's
+    (so a step holds one micro-batch's targets, however many learners it trains). A learner's arithmetic is the same
+    as alone: nothing it computes depends on the others."""
+    ignores = sorted({learner.loss_cfg.ignore_index for learner in learners})
+    if len(ignores) != 1:
+        raise ValueError(f"learners of one step count the same tokens: loss.ignore_index differs ({ignores})")
+    local_tokens = sum((b.labels != ignores[0]).sum() for b in micro_batches)
     global_tokens = dist.all_reduce_sum(torch.as_tensor(local_tokens, dtype=torch.float32).clone())
     scale = dist.world_size / global_tokens.clamp_min(1.0)
-    totals = torch.zeros(3, dtype=torch.float32, device=global_tokens.device)  # Σce, Σkd, Σkl
-    teacher.prefetch(micro_batches)  # a cache reads each micro-batch's targets while the one before trains
+    totals = torch.zeros(len(learners), 3, dtype=torch.float32, device=global_tokens.device)  # Σce, Σkd, Σkl
+    sources = list({id(learner.teacher): learner.teacher for learner in learners}.values())
+    for source in sources:
+        source.prefetch(micro_batches)  # a cache reads each micro-batch's targets while the one before trains
     for batch in micro_batches:
-        sums = micro_batch_backward(student, teacher, batch, loss_cfg, scale, compute, chunks)
-        totals += torch.stack([sums.ce, sums.kd, sums.kl])
-    params = [p for p in student.parameters() if p.requires_grad]
-    # max_norm=inf measures the norm without clipping.
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
-    if hasattr(grad_norm, "full_tensor"):  # sharded parameters give a DTensor norm
-        grad_norm = grad_norm.full_tensor()
-    lr = optimizer.param_groups[0]["lr"]
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+        with contextlib.ExitStack() as held:
+            given: dict[int, Targets] = {}
+            for i, learner in enumerate(learners):
+                if id(learner.teacher) not in given:
+                    with compute():  # a live teacher's forward runs here, once for the learners that share it
+                        given[id(learner.teacher)] = held.enter_context(learner.teacher.targets(batch))
+                sums = micro_batch_backward(learner.student, given[id(learner.teacher)], batch, learner.loss_cfg,
+                                            scale, compute, learner.chunks)
+                totals[i] += torch.stack([sums.ce, sums.kd, sums.kl])
+    norms, lrs = [], []
+    for learner in learners:
+        params = [p for p in learner.student.parameters() if p.requires_grad]
+        # max_norm=inf measures the norm without clipping.
+        norm = torch.nn.utils.clip_grad_norm_(params, learner.max_grad_norm if learner.max_grad_norm > 0 else math.inf)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # sharded: a DTensor norm
+        lrs.append(learner.optimizer.param_groups[0]["lr"])
+        learner.optimizer.step()
+        learner.scheduler.step()
+        learner.optimizer.zero_grad(set_to_none=True)
     dist.all_reduce_sum(totals)
-    ce, kd, kl = (totals / global_tokens.clamp_min(1.0)).tolist()  # host syncs only here, after the optimizer step
-    r = micro_batches[0].kd_weight(loss_cfg.kd_ratio)  # a step's micro-batches are all data or all generated
-    return StepStats(
-        loss=(1 - r) * ce + r * kd, ce=ce, kd=kd, kl=kl, tokens=int(global_tokens.item()), grad_norm=float(grad_norm), lr=lr
-    )
+    means = (totals / global_tokens.clamp_min(1.0)).tolist()  # host syncs only here, after the optimizer steps
+    tokens, stats = int(global_tokens.item()), []
+    for learner, (ce, kd, kl), norm, lr in zip(learners, means, norms, lrs):
+        r = micro_batches[0].kd_weight(learner.loss_cfg.kd_ratio)  # a step's micro-batches: all data or generated
+        stats.append(StepStats(loss=(1 - r) * ce + r * kd, ce=ce, kd=kd, kl=kl, tokens=tokens, grad_norm=float(norm),
+                               lr=lr))
+    return stats
 
 
 @dataclass(frozen=True)

@@ -166,8 +166,10 @@ def start_trial(cfg: RunConfig, dist: DistEnv, device: torch.device, src: Source
         metrics.log("eval", 0, asdict(eval_before))
     if record is not None:
         teachers = [str(d) for d in src.teacher_dirs]  # a hub id's snapshot
-        record.update(models={"student": str(src.student_dir), "teacher": teachers[0] if len(teachers) == 1 else teachers},
-                      placement=src.plan.record(), precision=precision_record(cfg, student), timings=src.timings, data=src.stats, resumed_from=str(resume_from) if resume_from else None,
+        record.update(models={"student": str(src.student_dir),
+                              "teacher": teachers[0] if len(teachers) == 1 else teachers},
+                      placement=src.plan.record(), precision=precision_record(cfg, student), timings=src.timings,
+                      data=src.stats, resumed_from=str(resume_from) if resume_from else None,
                       start_step=start_step, wandb=wandb_info, loss_chunks=chunks)
     return Trial(student, rollout, optimizer, scheduler, evaluate_now, evaluate_test, meter, start_step, eval_before,
                  metrics, compute, chunks["train"])

@@ -154,7 +154,8 @@ def test_packed_loss_and_gradients_equal_the_padded_ones(packed, impl, chunks):
 
     def loss_and_grads(batch):
         student.zero_grad()
-        sums = micro_batch_backward(student, LiveTeacher(teacher, fused=impl == "fused"), batch, cfg, torch.tensor(1.0))
+        with LiveTeacher(teacher, fused=impl == "fused").targets(batch) as targets:
+            sums = micro_batch_backward(student, targets, batch, cfg, torch.tensor(1.0))
         return sums, {n: q.grad.clone() for n, q in student.named_parameters()}
 
     padded_batch = padded_rows(samples).batch(range(len(samples)))

@@ -57,7 +57,7 @@ def test_train_step_passes_the_divergence_settings(divergence, beta, impl):
     from kdsweep.losses import kd_loss_sums
     from kdsweep.data.batch import Batch
     from kdsweep.teacher.live import LiveTeacher
-    from kdsweep.train.step import train_step
+    from kdsweep.train.step import Learner, train_step
 
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 96, (2, 9), generator=g)
@@ -70,7 +70,8 @@ def test_train_step_passes_the_divergence_settings(divergence, beta, impl):
     cfg = LossConfig(divergence=divergence, beta=beta, impl=impl, temperature=2.0, kd_ratio=0.5)
     opt = torch.optim.SGD(student.parameters(), lr=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    stats = train_step(student, LiveTeacher(teacher, fused=impl == "fused"), [Batch(x, y)], opt, sched, loss_cfg=cfg, max_grad_norm=0.0, dist=single_process())
+    learner = Learner(student, LiveTeacher(teacher, fused=impl == "fused"), opt, sched, cfg, max_grad_norm=0.0)
+    stats, = train_step([learner], [Batch(x, y)], dist=single_process())
     assert stats.kd == pytest.approx((want.kd / want.tokens).item(), rel=1e-5)
     assert stats.kl == pytest.approx((want.kl / want.tokens).item(), rel=1e-5)
 

@@ -105,7 +105,8 @@ def test_the_loss_on_generated_tokens_equals_a_float64_reference(divergence, bet
     completions = complete(student, [p.ids for p in prompts], [7, 8, 9], **kw)
     batch = completion_batch(prompts, completions, pad_id=PAD, ignore_index=IGNORE, own_samples=True)
     cfg = LossConfig(kd_ratio=0.4, divergence=divergence, beta=beta)
-    sums = micro_batch_backward(student, LiveTeacher(teacher), batch, cfg, torch.tensor(1.0))
+    with LiveTeacher(teacher).targets(batch) as targets:
+        sums = micro_batch_backward(student, targets, batch, cfg, torch.tensor(1.0))
 
     ref, n = 0.0, 0
     with torch.no_grad():

@@ -12,7 +12,7 @@ from kdsweep.data.batch import Batch
 from kdsweep.distributed import single_process
 from kdsweep.losses import kd_loss_sums
 from kdsweep.teacher.live import LiveTeacher
-from kdsweep.train.step import train_step
+from kdsweep.train.step import Learner, train_step
 
 IGNORE = -100
 B, T, V = 8, 12, 96
@@ -52,7 +52,8 @@ def run_split(student, teacher, micro: int, loss_cfg):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     x, y = batch()
     micro_batches = [Batch(a, b) for a, b in zip(x.split(micro), y.split(micro))]
-    stats = train_step(student, LiveTeacher(teacher, fused=loss_cfg.impl == "fused"), micro_batches, opt, sched, loss_cfg=loss_cfg, max_grad_norm=0.0, dist=single_process())
+    learner = Learner(student, LiveTeacher(teacher, fused=loss_cfg.impl == "fused"), opt, sched, loss_cfg, 0.0)
+    stats, = train_step([learner], micro_batches, dist=single_process())
     grads = [b - p.detach() for b, p in zip(before, params)]  # SGD with lr 1: the update is the gradient
     return grads, stats
 
@@ -106,7 +107,8 @@ def test_gradient_clipping_bounds_the_update():
     opt = torch.optim.SGD(params, lr=1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     x, y = batch()
-    stats = train_step(student, LiveTeacher(teacher), [Batch(x, y)], opt, sched, loss_cfg=LossConfig(kd_ratio=0.5), max_grad_norm=1e-3, dist=single_process())
+    learner = Learner(student, LiveTeacher(teacher), opt, sched, LossConfig(kd_ratio=0.5), max_grad_norm=1e-3)
+    stats, = train_step([learner], [Batch(x, y)], dist=single_process())
     update_norm = torch.sqrt(sum(((b - p.detach()) ** 2).sum() for b, p in zip(before, params)))
     assert stats.grad_norm > 1e-3  # the unclipped norm is reported
     assert update_norm.item() == pytest.approx(1e-3, rel=1e-3)
@@ -137,8 +139,8 @@ def test_kd_ratio_0_trains_without_the_teacher_exactly_as_with_it(impl):
         opt = torch.optim.SGD(params, lr=1.0)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
         calls.clear()
-        stats = train_step(s, source, [Batch(a, b) for a, b in zip(x.split(4), y.split(4))], opt, sched,
-                           loss_cfg=loss_cfg, max_grad_norm=0.0, dist=single_process())
+        stats, = train_step([Learner(s, source, opt, sched, loss_cfg, max_grad_norm=0.0)],
+                            [Batch(a, b) for a, b in zip(x.split(4), y.split(4))], dist=single_process())
         results[name] = (stats, [p.detach().clone() for p in params], len(calls))
     (live, w_live, ran), (free, w_free, ran_free) = results["live"], results["free"]
     assert ran == 2 and ran_free == 0 and source.tokens_computed == source.tokens_read == 0

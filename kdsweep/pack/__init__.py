@@ -1,0 +1,12 @@
+"""Packed trials: several trials of a sweep trained in one job, over one frozen student base and one teacher pass.
+
+A pack's members differ only in per-trial knobs (``kd_ratio``, the learning rate, the LoRA's rank and alpha, the
+divergence and its temperature and β); each still trains exactly as it would alone. What they share: the student's
+frozen base weights, held once (:mod:`kdsweep.pack.members`), and each micro-batch's teacher targets, made once per
+step for every member that reads them (:func:`kdsweep.train.step.train_step` over several
+:class:`~kdsweep.train.step.Learner`\\ s).
+"""
+
+from kdsweep.pack.members import shares_base, students_over_one_base
+
+__all__ = ["shares_base", "students_over_one_base"]
