@@ -40,7 +40,8 @@ def to_run_config(raw: dict[str, Any]) -> RunConfig:
         if knob in raw and raw[knob] != getattr(getattr(cfg, section), name):
             # A section value that ignores the knob would make a sweep over the knob run identical jobs.
             raise ConfigError(
-                f"{section}.{name}={getattr(getattr(cfg, section), name)} disagrees with the sweep knob {knob}={raw[knob]}; "
+                f"{section}.{name}={getattr(getattr(cfg, section), name)} disagrees with the sweep knob "
+                f"{knob}={raw[knob]}; "
                 f"set {knob}=... (the sections take it by interpolation) instead of {section}.{name}"
             )
     return cfg
@@ -81,7 +82,8 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}={value!r} must be a list, e.g. {key}=[a,b]")
         item = args[0]
-        items = tuple(_coerce(item, v, f"{key}[{i}]" if dataclasses.is_dataclass(item) else key) for i, v in enumerate(value))
+        items = tuple(_coerce(item, v, f"{key}[{i}]" if dataclasses.is_dataclass(item) else key)
+                      for i, v in enumerate(value))
         if args[-1] is not Ellipsis and len(items) != len(args):
             raise ConfigError(f"{key}={list(value)} must have {len(args)} values")
         return items

@@ -24,7 +24,8 @@ class DistConfig:
     master_port: int = 0
     """Rendezvous port of locally spawned ranks; 0 picks a free one."""
     reshard_after_forward: bool = True
-    """Free gathered parameters after each forward (FSDP2 FULL_SHARD); false keeps them until backward (SHARD_GRAD_OP)."""
+    """Free gathered parameters after each forward (FSDP2 FULL_SHARD); false keeps them until backward
+    (SHARD_GRAD_OP)."""
     teacher_placement: str = "auto"
     """Where each frozen teacher's weights live on several ranks. ``replicate``: a whole copy on every rank (no
     collective for the teacher in a step). ``node``: sharded within each node, replicated across nodes (a 2-D
@@ -53,7 +54,8 @@ class DistConfig:
 
     def __post_init__(self) -> None:
         _check(self.nproc_per_node >= 1, f"dist.nproc_per_node={self.nproc_per_node} must be >= 1")
-        _check(0 <= self.master_port < 65536, f"dist.master_port={self.master_port} must be in [0, 65535] (0 = any free port)")
+        _check(0 <= self.master_port < 65536,
+               f"dist.master_port={self.master_port} must be in [0, 65535] (0 = any free port)")
         _check(bool(self.master_addr), "dist.master_addr is empty; pass dist.master_addr=127.0.0.1 for local ranks")
         _check(self.timeout_s > 0, f"dist.timeout_s={self.timeout_s} must be > 0")
         _check(self.teacher_placement in TEACHER_PLACEMENTS, f"dist.teacher_placement={self.teacher_placement!r} is "

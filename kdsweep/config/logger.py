@@ -25,7 +25,8 @@ class WandbConfig:
     """Extra tags; the teacher and the student are always tagged."""
 
     def __post_init__(self) -> None:
-        _check(self.mode in WANDB_MODES, f"logger.wandb.mode={self.mode!r} is unknown; use one of {', '.join(WANDB_MODES)}")
+        _check(self.mode in WANDB_MODES,
+               f"logger.wandb.mode={self.mode!r} is unknown; use one of {', '.join(WANDB_MODES)}")
         _check(bool(self.project), "logger.wandb.project is empty; name a W&B project")
 
 

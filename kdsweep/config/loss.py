@@ -98,7 +98,8 @@ class LossConfig:
         _check(self.chunk_mb > 0, f"loss.chunk_mb={self.chunk_mb} must be > 0 (MiB of one [chunk, vocabulary] fp32 "
                "buffer); pass loss.chunk_mb=128")
         _check(self.cross_tokenizer in self.CROSS_TOKENIZER,
-               f"loss.cross_tokenizer={self.cross_tokenizer!r} is unknown; use one of {', '.join(self.CROSS_TOKENIZER)}")
+               f"loss.cross_tokenizer={self.cross_tokenizer!r} is unknown; use one of "
+               f"{', '.join(self.CROSS_TOKENIZER)}")
         weights = (self.gold_matched_weight, self.gold_unmatched_weight)
         _check(weights == (None, None) or (None not in weights and min(weights) >= 0 and sum(weights) > 0),
                f"loss.gold_matched_weight={weights[0]} and loss.gold_unmatched_weight={weights[1]}: give both, each "

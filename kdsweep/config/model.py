@@ -99,7 +99,8 @@ class TeacherCacheConfig:
         _check(self.method in CACHE_METHODS,
                f"teacher.cache.method={self.method} is unknown; use one of {', '.join(CACHE_METHODS)}")
         _check(self.k >= 1, f"teacher.cache.k={self.k} must be >= 1 (tokens kept per position)")
-        _check(self.rows in CACHE_ROWS, f"teacher.cache.rows={self.rows} is unknown; use one of {', '.join(CACHE_ROWS)}")
+        _check(self.rows in CACHE_ROWS,
+               f"teacher.cache.rows={self.rows} is unknown; use one of {', '.join(CACHE_ROWS)}")
         _check(self.temperature is None or self.temperature > 0,
                f"teacher.cache.temperature={self.temperature} must be > 0, or null for loss.temperature")
 

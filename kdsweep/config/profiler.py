@@ -24,5 +24,6 @@ class ProfilerConfig:
     """Each op's Python stack, and every Python function the traced steps call (``python_function`` events)."""
 
     def __post_init__(self) -> None:
-        _check(self.wait >= 0 and self.warmup >= 0, f"profiler.wait={self.wait} and profiler.warmup={self.warmup} must be >= 0")
+        _check(self.wait >= 0 and self.warmup >= 0,
+               f"profiler.wait={self.wait} and profiler.warmup={self.warmup} must be >= 0")
         _check(self.active >= 1, f"profiler.active={self.active} must be >= 1 (steps recorded)")

@@ -37,5 +37,6 @@ class RolloutConfig:
                "(0 = the data only, 1 = every step on the student's own completions)")
         _check(self.max_new_tokens > 0, f"rollout.max_new_tokens={self.max_new_tokens} must be > 0; pass "
                "rollout.max_new_tokens=32 (or another positive count)")
-        _check(self.temperature > 0, f"rollout.temperature={self.temperature} must be > 0; pass rollout.temperature=1.0")
+        _check(self.temperature > 0,
+               f"rollout.temperature={self.temperature} must be > 0; pass rollout.temperature=1.0")
         _check(0.0 < self.top_p <= 1.0, f"rollout.top_p={self.top_p} must be in (0, 1]; pass rollout.top_p=1.0")

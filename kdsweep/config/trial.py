@@ -19,4 +19,5 @@ class TrialConfig:
     """The Optuna study's name (W&B groups the trials of a study)."""
 
     def __post_init__(self) -> None:
-        _check(not self.sweep_dir or self.number >= 0, f"trial.number={self.number} must be >= 0 when trial.sweep_dir is set")
+        _check(not self.sweep_dir or self.number >= 0,
+               f"trial.number={self.number} must be >= 0 when trial.sweep_dir is set")
