@@ -95,7 +95,8 @@ def pairwise(sweep: Sweep, params: tuple[str, ...] | None = None, objective: str
     """Each pair of parameters (default: kd_ratio, lr, lora_rank where searched), trials coloured by the objective."""
     metric, column, direction = _objective(sweep, objective)
     specs = {p["key"]: p for p in sweep.space}
-    keys = [k for k in (params or PAIRWISE) if k in specs] if params or any(k in specs for k in PAIRWISE) else list(specs)
+    keys = ([k for k in (params or PAIRWISE) if k in specs] if params or any(k in specs for k in PAIRWISE)
+            else list(specs))
     if len(keys) < 2:
         return note("parameter pairs", f"needs two searched parameters; this sweep searched {list(specs) or 'none'}")
     pairs = list(itertools.combinations(keys, 2))
@@ -105,7 +106,8 @@ def pairwise(sweep: Sweep, params: tuple[str, ...] | None = None, objective: str
     points = None
     for ax, (a, b) in zip(axes, pairs):
         if not pruned.empty:
-            ax.scatter(_axis(ax, specs[a], pruned[f"param.{a}"]), _axis(ax, specs[b], pruned[f"param.{b}"], "y"), **PRUNED_STYLE)
+            ax.scatter(_axis(ax, specs[a], pruned[f"param.{a}"]), _axis(ax, specs[b], pruned[f"param.{b}"], "y"),
+                       **PRUNED_STYLE)
         points = ax.scatter(_axis(ax, specs[a], done[f"param.{a}"]), _axis(ax, specs[b], done[f"param.{b}"], "y"),
                             c=done[column], cmap="viridis_r" if direction == "minimize" else "viridis", s=60,
                             edgecolor="k", linewidth=0.4)
@@ -135,14 +137,16 @@ def learning_curves(sweep: Sweep, metric: str = "student_ce", kind: str = "eval"
             style = dict(linewidth=2.6, color="crimson", zorder=3)
         (line,) = ax.plot(rows["step"], rows[metric], marker=".", label=f"trial {trial} ({state.lower()})", **style)
         if state == "PRUNED" and len(rows):
-            ax.scatter(rows["step"].iloc[-1:], rows[metric].iloc[-1:], marker="x", s=80, color=line.get_color(), zorder=4)
+            ax.scatter(rows["step"].iloc[-1:], rows[metric].iloc[-1:], marker="x", s=80, color=line.get_color(),
+                       zorder=4)
             ax.annotate(f"pruned @ {rows['step'].iloc[-1]}", (rows["step"].iloc[-1], rows[metric].iloc[-1]),
                         textcoords="offset points", xytext=(4, 4), fontsize="x-small", color=line.get_color())
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(f"{kind} {metric}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small", ncol=2 if history["trial"].nunique() > 8 else 1)
-    ax.set_title(f"{sweep.study_name}: {kind} {metric} per trial" + (f" (best: trial {best})" if best is not None else ""))
+    ax.set_title(f"{sweep.study_name}: {kind} {metric} per trial"
+                 + (f" (best: trial {best})" if best is not None else ""))
     return fig
 
 
@@ -202,7 +206,8 @@ def parallel_coordinates(sweep: Sweep, objective: str | None = None) -> Figure:
     ax.set_xticks(range(len(labels)), [name for name, _ in labels])
     ax.set_yticks([])
     ax.set_ylim(-0.15, 1.15)
-    fig.colorbar(ScalarMappable(Normalize(values.min(), values.max()), cmap=colors), ax=ax, label=f"{metric} ({direction})")
+    fig.colorbar(ScalarMappable(Normalize(values.min(), values.max()), cmap=colors), ax=ax,
+                 label=f"{metric} ({direction})")
     ax.set_title(f"{sweep.study_name}: parallel coordinates ({len(done)} complete trials)")
     return fig
 
@@ -225,7 +230,8 @@ def _scaled(spec: dict[str, Any], values: pd.Series) -> tuple[np.ndarray, tuple[
 def pareto_front(sweep: Sweep) -> Figure:
     """The two objectives of a multi-objective study: every COMPLETE trial, the Pareto-optimal ones joined."""
     if len(sweep.objectives) != 2:
-        raise ConfigError(f"the Pareto front needs a study with two objectives; {sweep.study_name} has {sweep.objectives}")
+        raise ConfigError(f"the Pareto front needs a study with two objectives; {sweep.study_name} has "
+                          f"{sweep.objectives}")
     (x, y), (dx, dy) = sweep.objective_columns, sweep.directions
     done, front = sweep.complete(), sweep.pareto().sort_values(sweep.objective_columns[0])
     fig = Figure(figsize=(6.5, 5), layout="constrained")

@@ -38,7 +38,8 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
             if i == len(lines):  # unterminated: the writer was interrupted mid-line
                 break
             raise ConfigError(f"{path}:{i} is not a JSON line; the history is damaged") from None
-        if not isinstance(row, dict) or row.get("kind") not in ("train", "eval") or not isinstance(row.get("step"), int):
+        if (not isinstance(row, dict) or row.get("kind") not in ("train", "eval")
+                or not isinstance(row.get("step"), int)):
             raise ConfigError(f"{path}:{i} is not a metrics row (needs kind train|eval and an integer step)")
         rows.append(row)
     return rows

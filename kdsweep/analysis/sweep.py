@@ -238,7 +238,8 @@ def _trials_frame(sweep_dir: Path, manifest: dict[str, Any], entries: list[dict[
             "confirm.seed": (entry.get("confirm") or {}).get("seed"),
             "run_dir": str(trial_dir(sweep_dir, entry)),
             "pid": job.get("pid"),
-            "slurm_job_id": job.get("slurm_job_id") or ((record.get("environment") or {}).get("slurm") or {}).get("job_id"),
+            "slurm_job_id": (job.get("slurm_job_id")
+                             or ((record.get("environment") or {}).get("slurm") or {}).get("job_id")),
             "worker": job.get("worker"),
             "host": env.get("host"),
             "world_size": record.get("world_size"),
@@ -259,8 +260,8 @@ def _trials_frame(sweep_dir: Path, manifest: dict[str, Any], entries: list[dict[
 def _columns(objectives: list[str], keys: list[str]) -> list[str]:
     return ["number", "state", *(f"objective.{o}" for o in objectives), *(f"param.{k}" for k in keys),
             "started", "ended", "duration_s", "attempts", "status", "steps", "pruned_step", "last_value",
-            *(f"eval_after.{m}" for m in EVAL_METRICS), "reason", "confirm.label", "confirm.seed", "run_dir", "pid", "slurm_job_id", "worker", "host",
-            "world_size", "wandb_run_id", "optuna_state"]
+            *(f"eval_after.{m}" for m in EVAL_METRICS), "reason", "confirm.label", "confirm.seed", "run_dir", "pid",
+            "slurm_job_id", "worker", "host", "world_size", "wandb_run_id", "optuna_state"]
 
 
 def _history_frame(parts: list[pd.DataFrame]) -> pd.DataFrame:

@@ -68,7 +68,8 @@ def load_wandb_runs(source: str | Path | tuple[str | None, str, str]) -> WandbRu
         return _frames(api_runs(*source))
     path = Path(source).resolve()
     if not path.exists():
-        raise ConfigError(f"{path} does not exist; pass a sweep directory, a directory of W&B runs or (entity, project, group)")
+        raise ConfigError(f"{path} does not exist; pass a sweep directory, a directory of W&B runs or "
+                          "(entity, project, group)")
     online = _online_group(path) if (path / "sweep.json").exists() else None
     if online is not None:
         return _frames(api_runs(*online))
@@ -157,10 +158,12 @@ def _inspect_command(directory: Path, summary: bool) -> list[str]:
     ``leet inspect``; calling that program directly, with the flags the wrapper passes, takes ~0.03 s."""
     flags = ["--json", *(["--summary"] if summary else [])]
     spec = importlib.util.find_spec("wandb")  # finds the package without importing it
-    core = Path(spec.submodule_search_locations[0]) / "bin" / "wandb-core" if spec and spec.submodule_search_locations else None
+    core = (Path(spec.submodule_search_locations[0]) / "bin" / "wandb-core"
+            if spec and spec.submodule_search_locations else None)
     run_file = next(directory.glob("run-*.wandb"))
     if core is not None and core.exists():
-        return [str(core), "leet", "inspect", "--no-observability", *flags, "--run-file", str(run_file), str(directory.parent)]
+        return [str(core), "leet", "inspect", "--no-observability", *flags, "--run-file", str(run_file),
+                str(directory.parent)]
     beside = Path(sys.executable).with_name("wandb")  # the environment's own CLI, activated or not
     cli = str(beside) if beside.exists() else shutil.which("wandb")
     if not cli:
@@ -210,7 +213,8 @@ def _frames(runs: list[RunData]) -> WandbRuns:
             for kind in KINDS:  # W&B holds a step's train and eval values in one row; split them back
                 values = {k[len(kind) + 1:]: _number(v) for k, v in row.items() if k.startswith(f"{kind}/")}
                 if values:
-                    history.append({"run_id": run.run_id, "trial": trial, "kind": kind, "step": int(row["_step"]), **values})
+                    history.append({"run_id": run.run_id, "trial": trial, "kind": kind, "step": int(row["_step"]),
+                                    **values})
     runs_frame = pd.DataFrame.from_records(meta)
     if not runs_frame.empty:
         runs_frame["trial"] = runs_frame["trial"].astype("Int64")
