@@ -101,7 +101,8 @@ def _marked(content: str, i: int) -> str:
     return core + _mark(i) + content[len(core):]
 
 
-def _generation_start(before: list[Mapping[str, Any]], render: Callable[..., str], marked: str, content_end: int) -> int | None:
+def _generation_start(before: list[Mapping[str, Any]], render: Callable[..., str], marked: str,
+                      content_end: int) -> int | None:
     """Where generation starts in ``marked`` for a turn that follows ``before``, or None where it cannot be found."""
     prompt = render(before, True)
     marks = list(_MARK.finditer(prompt))

@@ -32,10 +32,12 @@ def cache_key(cfg: DataConfig, tokenizer_dir: Path, ignore_index: int, memo_dir:
     settings = {k: v for k, v in asdict(cfg).items() if k not in BATCHING}
     # a source counts by its content and kind, wherever it lies
     for section in ("datasets", "eval_datasets", "test_datasets"):
-        settings[section] = [{**ds, "path": "hub" if hub_id(ds["path"]) else Path(ds["path"]).suffix.lower() or "folder"}
+        settings[section] = [{**ds,
+                              "path": "hub" if hub_id(ds["path"]) else Path(ds["path"]).suffix.lower() or "folder"}
                              for ds in settings[section]]
     files = [content_hash(ds.path, memo_dir) for _, ds in train_sources(cfg) + eval_sources(cfg) + test_sources(cfg)]
-    parts = [DATA_VERSION, settings, files, tokenizer_digest(tokenizer_dir), chat_template(cfg.chat_template), ignore_index]
+    parts = [DATA_VERSION, settings, files, tokenizer_digest(tokenizer_dir), chat_template(cfg.chat_template),
+             ignore_index]
     parts += [view] if view is not None else []  # rows without views keep their key
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
 

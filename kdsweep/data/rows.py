@@ -34,7 +34,8 @@ class Rows:
     """Per row, a second model's reading of its samples (kdsweep.data.views; None: no sample has one)."""
 
     @classmethod
-    def from_rows(cls, input_ids: Sequence[Sequence[int]] | torch.Tensor, labels: Sequence[Sequence[int]] | torch.Tensor,
+    def from_rows(cls, input_ids: Sequence[Sequence[int]] | torch.Tensor,
+                  labels: Sequence[Sequence[int]] | torch.Tensor,
                   position_ids: Sequence[Sequence[int]] | torch.Tensor | None, tokens: Sequence[int] | torch.Tensor,
                   *, pad_id: int, ignore_index: int, views: Sequence[Sequence[View]] | None = None) -> "Rows":
         """From lists of rows of any lengths, or ``[N, T]`` tensors of equal-length rows; ``views``: each row's
@@ -44,7 +45,8 @@ class Rows:
                 return rows.reshape(-1).to(torch.int32)
             return torch.tensor([t for r in rows for t in r], dtype=torch.int32)
 
-        lengths = [input_ids.shape[1]] * len(input_ids) if isinstance(input_ids, torch.Tensor) else list(map(len, input_ids))
+        lengths = ([input_ids.shape[1]] * len(input_ids) if isinstance(input_ids, torch.Tensor)
+                   else list(map(len, input_ids)))
         offsets = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
         return cls(flat(input_ids), flat(labels), offsets, torch.as_tensor(tokens, dtype=torch.int64),
                    None if position_ids is None else flat(position_ids), pad_id, ignore_index,

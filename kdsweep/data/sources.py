@@ -38,7 +38,8 @@ TEXT_SUFFIXES = (".txt", ".md")
 SHARD_SUFFIXES = (".jsonl", ".parquet", ".csv", ".json")
 
 
-def read_rows(path: str, *, split: str | None = None, key: str = "data.datasets", limit: int | None = None) -> list[dict[str, Any]]:
+def read_rows(path: str, *, split: str | None = None, key: str = "data.datasets",
+              limit: int | None = None) -> list[dict[str, Any]]:
     """Rows of the source at ``path``; at most ``limit`` rows when given (cheap peek: read only what is needed)."""
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
@@ -109,7 +110,8 @@ def _json_lines(lines: Iterable[str], where: str, limit: int | None) -> list[dic
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{where}: line {n} is not valid JSON ({e.msg}); fix or remove that line") from None
             if not isinstance(row, dict):
-                raise ConfigError(f"{where}: line {n} is a {type(row).__name__}, not a JSON object; write one {{...}} per line")
+                raise ConfigError(f"{where}: line {n} is a {type(row).__name__}, not a JSON object; "
+                                  "write one {...} per line")
             yield row
 
     return _take(parse(), limit)
@@ -126,7 +128,7 @@ def _json(text: str, where: str, limit: int | None) -> list[dict[str, Any]]:
         lists = [k for k, v in obj.items() if isinstance(v, list)]
         if isinstance(obj.get("data"), list):
             obj = obj["data"]
-        elif len(lists) == 1 and "\n" in text.strip():  # a one-line dict is one JSON Lines row, e.g. {"messages": [...]}
+        elif len(lists) == 1 and "\n" in text.strip():  # a one-line dict is one JSON Lines row ({"messages": [...]})
             obj = obj[lists[0]]
         else:
             obj = [obj]
@@ -134,7 +136,8 @@ def _json(text: str, where: str, limit: int | None) -> list[dict[str, Any]]:
         raise ConfigError(f"{where} holds a JSON {type(obj).__name__}; write a list of objects or one object per line")
     for i, row in enumerate(obj):
         if not isinstance(row, dict):
-            raise ConfigError(f"{where}: item {i} is a {type(row).__name__}, not a JSON object; make every row an object")
+            raise ConfigError(f"{where}: item {i} is a {type(row).__name__}, not a JSON object; "
+                              "make every row an object")
     return obj[:limit] if limit is not None else obj
 
 
@@ -146,10 +149,12 @@ def _csv(f: Iterable[str], delimiter: str, where: str, limit: int | None) -> lis
         try:
             for row in reader:
                 if None in row:
-                    raise ConfigError(f"{where}: line {reader.line_num} has more fields than the header; quote or fix it")
+                    raise ConfigError(f"{where}: line {reader.line_num} has more fields than the header; "
+                                      "quote or fix it")
                 yield dict(row)
         except csv.Error as e:
-            raise ConfigError(f"{where}: line {reader.line_num} is not valid CSV ({_one_line(e)}); fix that line") from None
+            raise ConfigError(f"{where}: line {reader.line_num} is not valid CSV ({_one_line(e)}); "
+                              "fix that line") from None
 
     return _take(parse(), limit)
 
@@ -164,7 +169,8 @@ def _parquet(p: Path, where: str, limit: int | None) -> list[dict[str, Any]]:
             return pf.read().to_pylist()
         return _take((row for batch in pf.iter_batches(batch_size=limit) for row in batch.to_pylist()), limit)
     except (pa.ArrowException, OSError, ValueError) as e:
-        raise ConfigError(f"{where} is not a readable Parquet file ({_one_line(e)}); rewrite it with pyarrow or pandas") from None
+        raise ConfigError(f"{where} is not a readable Parquet file ({_one_line(e)}); "
+                          "rewrite it with pyarrow or pandas") from None
 
 
 def _saved_dataset(p: Path, split: str | None, where: str, limit: int | None) -> list[dict[str, Any]]:
@@ -173,7 +179,8 @@ def _saved_dataset(p: Path, split: str | None, where: str, limit: int | None) ->
         if split is not None:
             splits = json.loads((p / "dataset_dict.json").read_text(encoding="utf-8"))["splits"]
             if split not in splits:
-                raise ConfigError(f"{where} has no split {split!r} (splits: {', '.join(splits)}); set split to one of them")
+                raise ConfigError(f"{where} has no split {split!r} (splits: {', '.join(splits)}); "
+                                  "set split to one of them")
             p = p / split
         if json.loads((p / "state.json").read_text(encoding="utf-8")).get("_data_files") == []:
             return []  # a saved dataset of zero rows has no shards, and datasets cannot load it
@@ -183,7 +190,8 @@ def _saved_dataset(p: Path, split: str | None, where: str, limit: int | None) ->
     except ConfigError:
         raise
     except Exception as e:  # datasets raises many kinds; the user needs one line, not a traceback
-        raise ConfigError(f"{where} cannot be loaded by datasets.load_from_disk ({_one_line(e)}); save it again") from None
+        raise ConfigError(f"{where} cannot be loaded by datasets.load_from_disk ({_one_line(e)}); "
+                          "save it again") from None
     if limit is not None:
         ds = ds.select(range(min(limit, len(ds))))
     return ds.to_list()

@@ -52,9 +52,11 @@ class ViewTable:
         return cls({
             "row_docs": at([len(row) for row in rows]),
             "text": torch.tensor(list(b"".join(texts)), dtype=torch.uint8), "text_at": at(map(len, texts)),
-            "student": pairs([p for v in docs for p in _places(v.student)]), "student_at": at(len(v.student) for v in docs),
+            "student": pairs([p for v in docs for p in _places(v.student)]),
+            "student_at": at(len(v.student) for v in docs),
             "teacher_ids": torch.tensor([i for v in docs for i in v.teacher_ids], dtype=torch.int32),
-            "teacher": pairs([p for v in docs for p in _places(v.teacher)]), "teacher_at": at(len(v.teacher) for v in docs),
+            "teacher": pairs([p for v in docs for p in _places(v.teacher)]),
+            "teacher_at": at(len(v.teacher) for v in docs),
         })
 
     def __len__(self) -> int:
