@@ -86,7 +86,8 @@ def _setup_rank_logging(output_dir: str, rank: int) -> logging.Handler:
     """
     root = logging.getLogger()
     root.setLevel(logging.INFO)
-    consoles = [h for h in root.handlers if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)]
+    consoles = [h for h in root.handlers
+                if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)]
     fmt = logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     if rank == 0:
         path = Path(output_dir) / "kdsweep.log"
@@ -338,7 +339,8 @@ def _check_source_override(key: str, preset: str) -> None:
         return
     section, index, field = match[1], int(match[2]), match[3]
     sources = (yaml.safe_load(path.read_text()) or {}).get(section) or []
-    example = f"data.{section}=[{{path:/data/train.jsonl,format:instruction{'' if field == 'path' else f',{field}:...'}}}]"
+    example = (f"data.{section}=[{{path:/data/train.jsonl,format:instruction"
+               f"{'' if field == 'path' else f',{field}:...'}}}]")
     if index >= len(sources):
         raise ConfigError(f"{key}: data={preset} has {len(sources)} source(s) in data.{section}, so no source "
                           f"{index} to change; pass the whole list, e.g. {example}")

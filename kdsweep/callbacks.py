@@ -100,4 +100,5 @@ class SweepSummary(Callback):
         for r in rows:
             objective = f"{r['objective']:.4f}" if isinstance(r["objective"], float) else "-"
             where = f" slurm {r['slurm_job']}" if r["slurm_job"] else ""
-            print(f"  job {r['job']}: objective {objective}  {r['status']}  ranks {r['world_size']}{where}  {r['overrides']}")
+            print(f"  job {r['job']}: objective {objective}  {r['status']}  ranks {r['world_size']}{where}  "
+                  f"{r['overrides']}")

@@ -72,7 +72,8 @@ def logs(args: list[str]) -> None:
     ns = parser.parse_args(args)
     trials = Manifest.load(ns.sweep_dir.resolve()).trials
     if str(ns.trial) not in trials:
-        raise ConfigError(f"trial {ns.trial} is not in {ns.sweep_dir} (trials: {', '.join(sorted(trials, key=int)) or 'none'})")
+        raise ConfigError(f"trial {ns.trial} is not in {ns.sweep_dir} "
+                          f"(trials: {', '.join(sorted(trials, key=int)) or 'none'})")
     entry = trials[str(ns.trial)]
     run_dir = Path(entry["run_dir"])
     if ns.rank is None:  # the job's own output: job.log of a local process, submitit's stdout and stderr on SLURM
@@ -93,7 +94,8 @@ def dashboard(args: list[str]) -> None:
 
     from kdsweep.sweep.dashboard import serve
 
-    parser = argparse.ArgumentParser(prog="kdsweep dashboard", description="Serve the sweep's study in optuna-dashboard.")
+    parser = argparse.ArgumentParser(prog="kdsweep dashboard",
+                                     description="Serve the sweep's study in optuna-dashboard.")
     parser.add_argument("sweep_dir", type=Path)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)

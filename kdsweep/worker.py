@@ -55,8 +55,9 @@ class WorkerSession:
                               "rank(s): a trial cannot change its ranks; search over it with hydra.sweeper.workers=0")
         device = device_for(run_cfg.train.device, self.env)  # no such device here: its own one line
         if device.type != self.device.type:
-            raise ConfigError(f"train.device={run_cfg.train.device} but this sweep's workers run on {self.device.type}: "
-                              "a trial cannot change its device; search over it with hydra.sweeper.workers=0")
+            raise ConfigError(f"train.device={run_cfg.train.device} but this sweep's workers run on "
+                              f"{self.device.type}: a trial cannot change its device; search over it with "
+                              "hydra.sweeper.workers=0")
         yield self.env
 
     def kept(self) -> Any:
@@ -272,8 +273,8 @@ def _main() -> None:
     spec = json.loads((worker_dir(Path(sweep_dir), name) / "spec.json").read_text())
     ranks = int(spec.get("nproc", 1))
     if ranks > 1 and detect().world_size == 1:  # a local worker of N ranks (SLURM and torchrun start their own)
-        spawn(serve, (sweep_dir, name), DistConfig(nproc_per_node=ranks, master_addr=spec.get("master_addr", "127.0.0.1"),
-                                                   master_port=0))
+        spawn(serve, (sweep_dir, name), DistConfig(nproc_per_node=ranks,
+                                                   master_addr=spec.get("master_addr", "127.0.0.1"), master_port=0))
     else:
         serve(sweep_dir, name)
 
