@@ -92,7 +92,8 @@ class Tally:
 
     def row(self) -> dict[str, float]:
         """``{"comm/<owner>/<kind>": bytes}`` (a metrics row's scalars)."""
-        return {f"comm/{owner}/{kind}": int(round(nbytes)) for (owner, kind), (_, nbytes, _) in sorted(self.counts.items())}
+        return {f"comm/{owner}/{kind}": int(round(nbytes))
+                for (owner, kind), (_, nbytes, _) in sorted(self.counts.items())}
 
 
 TALLY = Tally()
@@ -153,7 +154,8 @@ def _log(entry: dict[str, Any]) -> None:
         _STATE.log.flush()
 
 
-def _counted(kind: str, fn: Callable, payload: Callable[[inspect.BoundArguments], Any], functional: bool = False) -> Callable:
+def _counted(kind: str, fn: Callable, payload: Callable[[inspect.BoundArguments], Any],
+             functional: bool = False) -> Callable:
     """``fn`` that counts itself (the outermost call only: c10d's functions call each other)."""
     sig = inspect.signature(fn)
 

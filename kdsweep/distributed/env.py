@@ -195,7 +195,8 @@ def detect(environ: Mapping[str, str] | None = None) -> DistEnv:
     if "SLURM_PROCID" in env and tasks > 1:
         job = env.get("SLURM_JOB_ID", "0")  # unique per array task too
         # the step's own nodes: a step on part of the allocation has its rank 0 on the first of them
-        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
+        nodes = (env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+                 or "127.0.0.1")
         return DistEnv(
             rank=int(env["SLURM_PROCID"]), world_size=tasks, local_rank=int(env.get("SLURM_LOCALID", 0)),
             master_addr=first_slurm_host(nodes), master_port=slurm_master_port(job, env.get("SLURM_STEP_ID", "0")),

@@ -36,7 +36,8 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def shard(model: nn.Module, cfg: DistConfig, mesh: Any = None, mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
+def shard(model: nn.Module, cfg: DistConfig, mesh: Any = None,
+          mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
     """Apply ``fully_shard`` per decoder layer, to an untied output projection, and at the root (in place), over
     ``mesh`` (None: every rank; a 2-D ``(replicate, shard)`` mesh: HSDP) with ``mp_policy``."""
     kw = {
@@ -44,7 +45,8 @@ def shard(model: nn.Module, cfg: DistConfig, mesh: Any = None, mp_policy: MixedP
         "reshard_after_forward": cfg.reshard_after_forward,
         "mp_policy": mp_policy or MixedPrecisionPolicy(),
         # pinned host memory needs an accelerator; on a CPU-only machine offloading is a plain copy
-        "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cfg.cpu_offload else OffloadPolicy(),
+        "offload_policy": (CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cfg.cpu_offload
+                           else OffloadPolicy()),
     }
     for layer in decoder_layers(model):
         fully_shard(layer, **kw)

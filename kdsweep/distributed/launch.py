@@ -36,8 +36,9 @@ def check_local_launch(cfg: DistConfig, device: torch.device) -> None:
             s.bind((cfg.master_addr, cfg.master_port))
     except OSError as e:
         raise ConfigError(
-            f"dist.master_addr={cfg.master_addr}:{cfg.master_port} cannot be bound on this machine ({e.strerror or e}); "
-            "local ranks rendezvous on this machine: pass dist.master_addr=127.0.0.1 (and dist.master_port=0 for any free port)"
+            f"dist.master_addr={cfg.master_addr}:{cfg.master_port} cannot be bound on this machine "
+            f"({e.strerror or e}); local ranks rendezvous on this machine: pass dist.master_addr=127.0.0.1 "
+            "(and dist.master_port=0 for any free port)"
         ) from None
 
 

@@ -97,7 +97,8 @@ def student_placement(cfg: DistConfig, env: DistEnv, weight_bytes: int = 0) -> P
         return Placement("single", "one rank: the whole model on its device", 1, 1, weight_bytes)
     if cfg.student_mesh == "hsdp" and env.nodes > 1:
         return Placement("hsdp", f"dist.student_mesh=hsdp: sharded over the {env.local_world_size} ranks of each of "
-                                 f"{env.nodes} nodes, replicated across them", env.local_world_size, env.nodes, weight_bytes)
+                                 f"{env.nodes} nodes, replicated across them",
+                         env.local_world_size, env.nodes, weight_bytes)
     why = "dist.student_mesh=fsdp" if cfg.student_mesh == "fsdp" else "dist.student_mesh=hsdp on one node"
     return Placement("fsdp", f"{why}: sharded over all {env.world_size} ranks", env.world_size, env.nodes, weight_bytes)
 

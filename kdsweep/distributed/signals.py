@@ -73,7 +73,8 @@ def _ignore_sigterm() -> None:
 
 def requeue(job_id: str, check: bool = True) -> int:
     """``scontrol requeue <job_id>``, which the SIGTERM of the requeue it asks for cannot kill; its exit code."""
-    return subprocess.run(["scontrol", "requeue", job_id], check=check, timeout=60, preexec_fn=_ignore_sigterm).returncode
+    return subprocess.run(["scontrol", "requeue", job_id], check=check, timeout=60,
+                          preexec_fn=_ignore_sigterm).returncode
 
 
 def harden_submitit_requeue() -> None:
