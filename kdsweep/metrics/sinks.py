@@ -85,7 +85,8 @@ class MetricLogger:
             sink.close(summary)
 
 
-def open_sinks(cfg: Any, out: Path, resume_step: int, config: dict[str, Any]) -> tuple[list[Sink], dict[str, Any] | None]:
+def open_sinks(cfg: Any, out: Path, resume_step: int,
+               config: dict[str, Any]) -> tuple[list[Sink], dict[str, Any] | None]:
     """The sinks ``cfg.logger`` asks for, and what identifies the W&B run (None without W&B)."""
     sinks: list[Sink] = [JsonlSink(out / "metrics.jsonl", resume_step=resume_step)]
     if cfg.logger.tensorboard:

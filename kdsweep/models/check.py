@@ -17,7 +17,8 @@ from typing import Any
 from kdsweep import hub
 from kdsweep.config.schema import ConfigError, ModelSource, RunConfig
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
 
 
 def check_model_dir(section: str, path: str, d: Path | None = None) -> dict[str, Any]:

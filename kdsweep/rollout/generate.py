@@ -57,7 +57,8 @@ def complete(model: nn.Module, prompts: list[list[int]], seeds: list[int], *, ma
     try:
         with torch.compiler.set_stance("force_eager"):  # eager, compiled layers or not (see above)
             for _ in range(max_new_tokens):
-                o = model(input_ids=step_ids, attention_mask=mask, position_ids=positions, use_cache=True, **{kw: cache})
+                o = model(input_ids=step_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                          **{kw: cache})
                 cache = getattr(o, kw)
                 tokens = sample(o.logits[:, -1, :vocab].float().cpu(), temperature, top_p, generators)
                 for r, t in enumerate(tokens.tolist()):
