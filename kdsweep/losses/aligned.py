@@ -12,8 +12,9 @@ Tensors: ``head`` ``[S]`` student positions; ``cont`` ``[M]`` student positions,
 ``cont_token`` ``[M]`` the tokens they predict; ``teacher`` the teacher's side of each span (:class:`TeacherSpans`):
 the distribution of its first teacher token, the log-probability of its later ones and its −log p of all of them,
 from a live teacher's rows (:class:`LiveSpans`: kept logits, or hidden states projected one chunk at a time) or from
-what a teacher-logit cache kept (:class:`KeptSpans`: logits, or a sparse form: :func:`kept_distribution`). Continuation rows are in span order. ``extent`` and the
-continuation counts are host-side, so that :meth:`cuts` and :meth:`split` need no device sync.
+what a teacher-logit cache kept (:class:`KeptSpans`: logits, or a sparse form: :func:`kept_distribution`).
+Continuation rows are in span order. ``extent`` and the continuation counts are host-side, so that :meth:`cuts` and
+:meth:`split` need no device sync.
 """
 
 from __future__ import annotations

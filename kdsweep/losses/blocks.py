@@ -102,7 +102,8 @@ def block_scores(log_q: torch.Tensor, head: torch.Tensor, cont: torch.Tensor, co
     return _BlockScores.apply(log_q, head, cont, cont_token, cont_span, cont_at, rows_per_block, score)
 
 
-def row_scores(log_q: torch.Tensor, vocab: int, score: Callable[[int, int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+def row_scores(log_q: torch.Tensor, vocab: int,
+               score: Callable[[int, int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """``[n]`` each token's term from its own row of ``log_q`` ``[n, V]``, differentiable in ``log_q``:
     ``score(first, count, rows)`` gives rows ``first`` … ``first + count − 1``'s terms (all of them at once, as a plain
     graph, when they fit in one block)."""

@@ -110,7 +110,8 @@ def sorted_l1(log_q: torch.Tensor, log_p: torch.Tensor) -> torch.Tensor:
 
 
 def uld(log_q: torch.Tensor, log_p: torch.Tensor) -> torch.Tensor:
-    """``[n]`` ULD between the student's merged log-probs ``log_q`` ``[n, Vs + 1]`` and the teacher's ``[n, Vt + 1]``."""
+    """``[n]`` ULD between the student's merged log-probs ``log_q`` ``[n, Vs + 1]`` and the teacher's
+    ``[n, Vt + 1]``."""
     return sorted_l1(upcast(log_q), upcast(log_p))
 
 
@@ -178,4 +179,5 @@ def uld_scale(divergence: str, temperature: float) -> float:
     return temperature_factor("tvd", temperature) / temperature_factor(divergence, temperature)
 
 
-__all__ = ["CROSS_TOKENIZER_LOSSES", "VocabMap", "gold", "log1mexp", "merge", "sort_decreasing", "sorted_l1", "uld", "uld_scale"]
+__all__ = ["CROSS_TOKENIZER_LOSSES", "VocabMap", "gold", "log1mexp", "merge", "sort_decreasing", "sorted_l1", "uld",
+           "uld_scale"]

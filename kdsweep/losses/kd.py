@@ -133,7 +133,8 @@ def kd_loss_sums(
     teacher_logprobs: bool = False,
     once: bool = False,
 ) -> LossSums:
-    """CE, the temperature-scaled KD divergence and the logged forward KL, summed over valid tokens in ``num_chunks`` chunks.
+    """CE, the temperature-scaled KD divergence and the logged forward KL, summed over valid tokens in ``num_chunks``
+    chunks.
 
     student_logits ``[..., Vs]``; ``teacher``: logits ``[..., Vt]`` (or log-probabilities at T = 1 when
     ``teacher_logprobs``), or the teacher's targets for the flattened tokens (:mod:`kdsweep.losses.targets`: logits,

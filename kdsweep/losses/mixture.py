@@ -37,7 +37,8 @@ class Mixture:
         self.weights = [w / total for w in self.weights]
         temperatures = {p.kl_temperature for p in self.parts}
         if len(temperatures) != 1:
-            raise ValueError(f"the teachers' targets log their distance at different temperatures {sorted(temperatures)}")
+            raise ValueError("the teachers' targets log their distance at different temperatures "
+                             f"{sorted(temperatures)}")
 
     def __len__(self) -> int:
         return len(self.parts[0])

@@ -235,7 +235,8 @@ class _Sparse:
     def split_at(self, sizes: list[int]) -> list["_Sparse"]:
         names = [f.name for f in fields(self) if f.name not in ("temperature", "vocab")]
         pieces = zip(*(torch.split(getattr(self, n), sizes, dim=0) for n in names))
-        return [type(self)(**dict(zip(names, parts)), temperature=self.temperature, vocab=self.vocab) for parts in pieces]
+        return [type(self)(**dict(zip(names, parts)), temperature=self.temperature, vocab=self.vocab)
+                for parts in pieces]
 
     def teacher_ce(self, labels: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
         return torch.where(labels != ignore_index, -upcast(self.label_logp), 0.0)
