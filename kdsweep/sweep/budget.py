@@ -394,7 +394,8 @@ def budget_lines(manifest: Manifest) -> list[str]:
     if budget.device_s is not None:
         left = budget.device_s - spent
         parts.append(f"{spent / 3600:.4g} of {budget.device_s / 3600:.4g} device-h spent "
-                     f"({spent:.0f} device-s; {'left ' + format(left, '.0f') if left >= 0 else 'over by ' + format(-left, '.0f')} device-s)")
+                     f"({spent:.0f} device-s; "
+                     f"{'left ' + format(left, '.0f') if left >= 0 else 'over by ' + format(-left, '.0f')} device-s)")
     if budget.wall_s is not None:
         parts.append(f"{budget.wall_spent() / 3600:.3g} of {budget.wall_s / 3600:.3g} wall-h")
     device, _ = budget.per_trial()

@@ -61,7 +61,8 @@ class Controller:
         import optuna
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # the controller logs what happens to each trial
-        self.settings, self.space, self.base, self.sweep_dir, self.backend = settings, space, base_overrides, sweep_dir, backend
+        self.settings, self.space, self.base = settings, space, base_overrides
+        self.sweep_dir, self.backend = sweep_dir, backend
         sweep_dir.mkdir(parents=True, exist_ok=True)
         chosen = None if settings.storage else default_storage(sweep_dir)  # SQLite, or a journal on a shared FS
         url = connect_url(settings, sweep_dir)  # a resumed command holds user:***@: the password from the env
@@ -226,7 +227,8 @@ class Controller:
         self.start_failures = 0
         self.manifest.put(number, state="RUNNING", job=job, last_start=time.time())
         crash_point("after_write", number, tag)
-        log.info("trial %d started (%s): %s", number, job_name(job), " ".join(f"{k}={v}" for k, v in entry["params"].items()))
+        log.info("trial %d started (%s): %s", number, job_name(job),
+                 " ".join(f"{k}={v}" for k, v in entry["params"].items()))
 
     def _confirm_tag(self, entry: dict[str, Any]) -> str | None:
         """``confirm<k>`` for the plan's k-th confirmation trial (0-based; :data:`CRASH_AT` names it), else None."""
@@ -234,9 +236,11 @@ class Controller:
         if not item:
             return None
         items = self.manifest.data["confirmation"]["items"]
-        return f"confirm{next(k for k, i in enumerate(items) if (i['label'], i['seed']) == (item['label'], item['seed']))}"
+        k = next(k for k, i in enumerate(items) if (i["label"], i["seed"]) == (item["label"], item["seed"]))
+        return f"confirm{k}"
 
-    def _save_asked(self, number: int, trial_id: int, params: dict[str, Any], item: dict[str, Any] | None = None) -> None:
+    def _save_asked(self, number: int, trial_id: int, params: dict[str, Any],
+                    item: dict[str, Any] | None = None) -> None:
         run_dir = self.sweep_dir / str(number)
         self.manifest.put(number, params=params, args=self._args(number, params, item), run_dir=str(run_dir),
                           state="ASKED", attempts=0, **({"confirm": item} if item else {}))

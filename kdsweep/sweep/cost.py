@@ -3,7 +3,8 @@ and what pruning and the teacher-logit cache saved against running every trial t
 
 Each trial's ``cost`` (kdsweep.metrics.records) counts its attempts: wall seconds from its job's start, device-seconds
 (wall × ranks), trained tokens, and the teacher positions a model computed (a live teacher's forwards and the tokens
-it generated under ``rollout.seq_kd``, or the one cache build) or a cache supplied. The savings are estimates, and named so:
+it generated under ``rollout.seq_kd``, or the one cache build) or a cache supplied. The savings are estimates, and
+named so:
 
 - pruning: each pruned trial's missing steps at its own device-seconds per step (of its steps and evals);
 - the cache: every position read from it at the build's measured device-seconds per teacher position, plus one
@@ -64,8 +65,8 @@ def sweep_cost(manifest: Manifest) -> dict[str, Any]:
         per_token = build["device_seconds"] / build["teacher_tokens"]
         cache = total["teacher_tokens_read"] * per_token + readers * build.get("teacher_load_s", 0.0) * build["ranks"]
     live = total["device_seconds"] + pruning + cache
-    return {**total, "trials": len(records), "comm_per_step": comm_per_step([r for _, r in records]), "cache_builds": sum(1 for _, r in records for t in _teachers(r)
-                                                                 if t.get("built")),
+    return {**total, "trials": len(records), "comm_per_step": comm_per_step([r for _, r in records]),
+            "cache_builds": sum(1 for _, r in records for t in _teachers(r) if t.get("built")),
             "saved_by_pruning_device_seconds": pruning, "saved_by_cache_device_seconds": cache,
             "live_no_pruning_device_seconds": live, "ratio": total["device_seconds"] / live if live else None}
 
@@ -73,7 +74,8 @@ def sweep_cost(manifest: Manifest) -> dict[str, Any]:
 def comm_per_step(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Rank 0's collectives per training step (run.json ``comm.per_step``), bytes by model and kind, averaged over
     the trials that trained on several ranks."""
-    having = [r["comm"]["per_step"] for r in records if (r.get("comm") or {}).get("steps") and r.get("world_size", 1) > 1]
+    having = [r["comm"]["per_step"] for r in records
+              if (r.get("comm") or {}).get("steps") and r.get("world_size", 1) > 1]
     out: dict[str, dict[str, float]] = {}
     for per_step in having:
         for owner, kinds in per_step.items():

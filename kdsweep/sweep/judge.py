@@ -54,7 +54,8 @@ def judge(run_dir: Path, exit_code: int | str, objectives: tuple[str, ...], atte
     # a signal, or an end the job did not choose (vanished, cancelled, timed out, node failure) mid-run; or a rank
     # of the job lost: rank 0 saw a peer's end through a collective (interrupted), or was ended by its launcher
     # before it could record anything (still running)
-    killed = (isinstance(exit_code, int) and exit_code < 0) or (isinstance(exit_code, str) and status in (None, "running", "preempted"))
+    killed = ((isinstance(exit_code, int) and exit_code < 0)
+              or (isinstance(exit_code, str) and status in (None, "running", "preempted")))
     own = _own_failure(run_dir)
     if own and status != "preempted":  # a rank failed on its own (an error, an OOM): the trial's fault, not retried
         return Outcome("FAIL", reason=own[:500])

@@ -1,4 +1,5 @@
-"""Trials as local processes (``hydra/launcher=basic`` with ``hydra.sweeper.workers=0``): the controller's local backend."""
+"""Trials as local processes (``hydra/launcher=basic`` with ``hydra.sweeper.workers=0``): the controller's local
+backend."""
 
 from __future__ import annotations
 

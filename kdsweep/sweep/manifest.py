@@ -28,7 +28,8 @@ class Manifest:
         self.data = data
 
     @classmethod
-    def open(cls, sweep_dir: Path, settings: SweepSettings, space: list[dict[str, Any]], base_overrides: list[str]) -> "Manifest":
+    def open(cls, sweep_dir: Path, settings: SweepSettings, space: list[dict[str, Any]],
+             base_overrides: list[str]) -> "Manifest":
         """Load the sweep's manifest (refusing a different search space) or start a new one."""
         path = sweep_dir / "sweep.json"
         fresh = {
@@ -44,7 +45,8 @@ class Manifest:
             m.save()
             return m
         data = json.loads(path.read_text())
-        for key, what in (("space", "search space"), ("base_overrides", "fixed overrides"), ("study_name", "study name")):
+        for key, what in (("space", "search space"), ("base_overrides", "fixed overrides"),
+                          ("study_name", "study name")):
             if data[key] != fresh[key]:
                 raise ConfigError(
                     f"{sweep_dir} holds a sweep with a different {what} ({data[key]} vs now {fresh[key]}); "
@@ -56,7 +58,8 @@ class Manifest:
         if changed:
             raise ConfigError(
                 f"{sweep_dir} holds a sweep with other settings ({'; '.join(changed)}); resume it with its own, "
-                "or start the new search in another hydra.sweep.dir (n_trials, budget, wall_hours, max_concurrent and retries may change)"
+                "or start the new search in another hydra.sweep.dir (n_trials, budget, wall_hours, max_concurrent "
+                "and retries may change)"
             )
         data["settings"] = fresh["settings"]  # budget and concurrency may change on resume
         return cls(path, data)

@@ -107,7 +107,8 @@ class SweepSettings:
     """A worker with no task for this long leaves (a controller that died and was not resumed)."""
 
     def __post_init__(self) -> None:
-        _check(bool(re.fullmatch(r"[\w.-]+", self.study_name)), f"hydra.sweeper.study_name={self.study_name!r}: use letters, digits, . _ -")
+        _check(bool(re.fullmatch(r"[\w.-]+", self.study_name)),
+               f"hydra.sweeper.study_name={self.study_name!r}: use letters, digits, . _ -")
         _check(self.n_trials is None or self.n_trials >= 1,
                f"hydra.sweeper.n_trials={self.n_trials} must be >= 1 (or null: as many as the budget pays for)")
         for name in ("budget", "wall_hours"):
@@ -115,8 +116,10 @@ class SweepSettings:
             _check(value is None or value > 0,
                    f"hydra.sweeper.{name}={value} must be > 0 hours (or null: no limit)")
         _check(self.max_concurrent >= 1, f"hydra.sweeper.max_concurrent={self.max_concurrent} must be >= 1")
-        _check(self.sampler in SAMPLERS, f"hydra.sweeper.sampler={self.sampler!r} is unknown; use one of {', '.join(SAMPLERS)}")
-        _check(self.pruner in PRUNERS, f"hydra.sweeper.pruner={self.pruner!r} is unknown; use one of {', '.join(PRUNERS)}")
+        _check(self.sampler in SAMPLERS,
+               f"hydra.sweeper.sampler={self.sampler!r} is unknown; use one of {', '.join(SAMPLERS)}")
+        _check(self.pruner in PRUNERS,
+               f"hydra.sweeper.pruner={self.pruner!r} is unknown; use one of {', '.join(PRUNERS)}")
         _check(
             len(self.objectives) >= 1 and all(o in OBJECTIVES or task_of(o) for o in self.objectives),
             f"hydra.sweeper.objectives={list(self.objectives)}: each must be one of {', '.join(OBJECTIVES)} or "
@@ -140,7 +143,8 @@ class SweepSettings:
         _check(self.trial_hours is None or self.trial_hours > 0,
                f"hydra.sweeper.trial_hours={self.trial_hours} must be > 0 (or null: learnt from the first trials)")
         self._check_budget(confirm)
-        _check(0 < self.pruner_percentile < 100, f"hydra.sweeper.pruner_percentile={self.pruner_percentile} must be in (0, 100)")
+        _check(0 < self.pruner_percentile < 100,
+               f"hydra.sweeper.pruner_percentile={self.pruner_percentile} must be in (0, 100)")
         _check(0 <= self.pruner_grace < 1, f"hydra.sweeper.pruner_grace={self.pruner_grace} must be in [0, 1) "
                "(a share of train.max_steps; 0: Optuna's own grace)")
         _check(self.pruner_warmup_steps is None or self.pruner_warmup_steps >= 0,
@@ -162,8 +166,9 @@ class SweepSettings:
             return
         if confirm is None:
             _check(self.budget >= self.trial_hours,
-                   f"hydra.sweeper.budget={self.budget:g} device-h cannot pay for one trial of hydra.sweeper.trial_hours="
-                   f"{self.trial_hours:g}: raise it to hydra.sweeper.budget={self.trial_hours:g} or more")
+                   f"hydra.sweeper.budget={self.budget:g} device-h cannot pay for one trial of "
+                   f"hydra.sweeper.trial_hours={self.trial_hours:g}: raise it to "
+                   f"hydra.sweeper.budget={self.trial_hours:g} or more")
             return
         need = confirm.top + confirm.trials
         _check(self.budget >= need * self.trial_hours,
