@@ -10,12 +10,12 @@ or the reverse). Tokens that are not content are never aligned with the other si
 Boundaries are compared after moving each token's end left over whitespace (``snap``), so leading-space
 conventions agree: ``Ġword`` (byte-level BPE, the space in the token) and ``▁word`` (SentencePiece) end where
 ``word`` ends; a token made only of whitespace is a span of its own where the other side has the same whitespace
-as a token (two equal tokenizations give one-token spans throughout), else it joins the span after it. Tokens that end within what a
-span just closed holds (the second byte of a multi-byte character split into byte tokens, byte-fallback tokens
-that each report the whole character) join that span too. A span that never closes (the sequence was cut
-inside it) is left out, and so are the tokens after the last closed span: :attr:`Alignment.unaligned` counts them.
-A span never closes where a token of either side crosses its boundary (a byte-level token holding the last byte of
-one character and the first of the next): the two characters are one span then.
+as a token (two equal tokenizations give one-token spans throughout), else it joins the span after it. Tokens that end
+within what a span just closed holds (the second byte of a multi-byte character split into byte tokens, byte-fallback
+tokens that each report the whole character) join that span too. A span that never closes (the sequence was cut inside
+it) is left out, and so are the tokens after the last closed span: :attr:`Alignment.unaligned` counts them. A span never
+closes where a token of either side crosses its boundary (a byte-level token holding the last byte of one character and
+the first of the next): the two characters are one span then.
 
 :func:`shared_vocab` pairs the tokens both vocabularies hold: the same bytes once each side's conventions are undone
 (:func:`piece_bytes`: byte-level BPE's byte alphabet, SentencePiece's ``▁`` for a space and ``<0xAB>`` byte tokens).
@@ -138,11 +138,13 @@ def _check_same_text(text: str, student: Sequence[Offset], teacher: Sequence[Off
     def covered(offsets: Sequence[Offset], idx: list[int]) -> set[int]:
         return {c for i in idx for c in range(*offsets[i]) if text[c] not in SPACE and c not in ignore}
 
-    only_s, only_t = covered(student, s_idx) - covered(teacher, t_idx), covered(teacher, t_idx) - covered(student, s_idx)
+    only_s = covered(student, s_idx) - covered(teacher, t_idx)
+    only_t = covered(teacher, t_idx) - covered(student, s_idx)
     if only_s or only_t:
         where = min(only_s | only_t)
-        raise ValueError(f"the two tokenizations cover different characters near {text[max(0, where - 10):where + 10]!r}"
-                         f" (character {where}): one tokenizer does not give the text back as it is")
+        raise ValueError("the two tokenizations cover different characters near "
+                         f"{text[max(0, where - 10):where + 10]!r} (character {where}): one tokenizer does not give "
+                         "the text back as it is")
 
 
 @functools.lru_cache(maxsize=1)
@@ -188,7 +190,8 @@ def piece_bytes(piece: str, byte_level: bool) -> tuple[bytes, bool]:
     return piece.replace("\u2581", " ").encode(), False
 
 
-def shared_vocab(student: Iterable[tuple[int, bytes, bool]], teacher: Iterable[tuple[int, bytes, bool]]) -> list[tuple[int, int]]:
+def shared_vocab(student: Iterable[tuple[int, bytes, bool]],
+                 teacher: Iterable[tuple[int, bytes, bool]]) -> list[tuple[int, int]]:
     """``(student id, teacher id)`` for every byte string both vocabularies hold; entries are ``(id, bytes,
     byte_fallback)`` without special tokens. Where a side holds one string twice (a byte token and a plain one),
     its plain entry, then its lowest id, is the one paired."""

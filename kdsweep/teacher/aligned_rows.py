@@ -52,7 +52,8 @@ class RowPlan:
     """Student content tokens in no span (a row cut inside one, or a row whose text the teacher's reading changed)."""
 
 
-def span_plan(spans: Sequence[Span], read: Read, trained: Sequence[bool]) -> tuple[list[tuple[int, int, int, int]], int]:
+def span_plan(spans: Sequence[Span], read: Read,
+              trained: Sequence[bool]) -> tuple[list[tuple[int, int, int, int]], int]:
     """The spans of ``read`` that take a KD term (as ``(head, width, c, length)``), and how many were dropped.
 
     A span of student tokens and teacher tokens ``c … d−1`` takes one at the student position that predicts its first
@@ -165,7 +166,8 @@ class AlignedRows:
         return RowPlan(t["spans"][s0:s1], t["teacher_ids"][t0:t1], t["teacher_positions"][t0:t1], *self.counts[i])
 
     def plan(self, batch: Batch) -> BatchPlan:
-        """The plan of a batch of these rows (made by :meth:`~kdsweep.data.rows.Rows.batch`: it carries their indices)."""
+        """The plan of a batch of these rows (made by :meth:`~kdsweep.data.rows.Rows.batch`: it carries their
+        indices)."""
         if batch.rows is None:
             raise ValueError("a teacher with another tokenizer reads batches made by Rows.batch (they carry their row "
                              "indices, and each row's alignment was made with the rows)")
@@ -204,4 +206,5 @@ def aligned_splits(reader: Any, data: Any, teacher: Any, max_positions: int, pad
     return {split: AlignedRows.load(final / f"{split}.pt", pad_id) for split in splits}
 
 
-__all__ = ["AlignedRows", "BatchPlan", "PLANS_VERSION", "RowPlan", "aligned_splits", "plans_key", "row_plan", "span_plan"]
+__all__ = ["AlignedRows", "BatchPlan", "PLANS_VERSION", "RowPlan", "aligned_splits", "plans_key", "row_plan",
+           "span_plan"]

@@ -63,7 +63,8 @@ def share(n: int, rank: int, world: int) -> tuple[int, int]:
 
 def row_targets(logits: torch.Tensor, labels: torch.Tensor, spec: Spec, ignore_index: int,
                 generator: torch.Generator | None) -> dict[str, torch.Tensor]:
-    """What the cache keeps of one row's positions: ``logits`` ``[L, Vt]``, ``labels`` ``[L]`` → field → ``[L, width]``."""
+    """What the cache keeps of one row's positions: ``logits`` ``[L, Vt]``, ``labels`` ``[L]`` → field →
+    ``[L, width]``."""
     z = logits[:, : spec.vocab]
     if spec.method == "full":
         return {"logits": z.to(DTYPES[spec.dtype])}

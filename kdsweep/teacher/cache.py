@@ -114,7 +114,8 @@ class Spec:
         if self.method == "full":
             return f"full logits ({self.vocab} per position, {self.dtype})"
         what = "draws" if self.method == "sample" else "top tokens + tail"
-        return f"{self.method} (k={self.k} {what} at T={self.temperature:g}, {self.bytes_per_position()} bytes per position)"
+        return (f"{self.method} (k={self.k} {what} at T={self.temperature:g}, {self.bytes_per_position()} bytes per "
+                "position)")
 
 
 def cache_root(cfg: RunConfig) -> Path:

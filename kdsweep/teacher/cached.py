@@ -94,7 +94,8 @@ class CachedSplit:
             signed_bits(buf)[at] = signed_bits(self.maps[name][i])[offsets]
         return buf
 
-    def gather(self, row_ids: torch.Tensor, length: int, names: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
+    def gather(self, row_ids: torch.Tensor, length: int,
+               names: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
         """field → ``[B, length, width]`` (every field, or ``names``): each row's positions, zero past its end
         (padding, never a label); no loop over rows."""
         plan = self._plan(*self.cells(row_ids, length))

@@ -110,7 +110,8 @@ class CachedCrossTeacher(TeacherSource):
         yield targets
 
 
-def sparse_head(raw: dict[str, torch.Tensor], spec: Spec, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+def sparse_head(raw: dict[str, torch.Tensor], spec: Spec,
+                device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
     """A sparse cache's head distributions at the batch's flattened cells (:func:`kept_distribution`), ``[cells, Vt]``
     log-probabilities on ``device``, rebuilt one chunk's spans at a time."""
     flat = {k: raw[k].reshape(-1, raw[k].shape[-1]) for k in ("ids", "logp", "tail_logp") if k in raw}

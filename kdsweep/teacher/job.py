@@ -135,7 +135,8 @@ def cross_pair(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: RunDa
     w_u = 1.0 - w_m if loss.gold_unmatched_weight is None else loss.gold_unmatched_weight
     log.info("teacher: its own tokenizer (%d tokens; the student's %d; %d shared): %s over aligned spans%s",
              len(t_tok), len(s_tok), len(vocab_map.teacher), loss.cross_tokenizer,
-             f", weights {w_m:.3f} (shared: {loss.divergence}) and {w_u:.3f} (ULD)" if loss.cross_tokenizer == "gold" else "")
+             f", weights {w_m:.3f} (shared: {loss.divergence}) and {w_u:.3f} (ULD)"
+             if loss.cross_tokenizer == "gold" else "")
     distance = (f"gold ({w_m:.4g}·{loss.divergence} over the shared tokens + {w_u:.4g}·ULD over the rest)"
                 if loss.cross_tokenizer == "gold" else "ULD (sorted-probability L1)")
     record = {"cross_tokenizer": {
@@ -152,7 +153,8 @@ def cross_pair(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: RunDa
 
 def open_teacher(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: RunData, dist: DistEnv,
                  device: torch.device, announce: Callable[[dict[str, float]], None] = lambda progress: None,
-                 keep: Callable[[str, Callable[[], Hashable], Callable[[], Any]], Any] = lambda kind, key, build: build(),
+                 keep: Callable[[str, Callable[[], Hashable], Callable[[], Any]], Any] = (
+                     lambda kind, key, build: build()),
                  slot: str = "", placement: Placement | None = None) -> Teacher:
     """The job's teacher; ``announce`` hears how a cache build progresses (rank 0: seconds so far and to go).
     ``keep(kind, key, build)``: how a worker keeps a live teacher's weights while its files, dtype and placement stay
@@ -164,12 +166,14 @@ def open_teacher(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: Run
     load = lambda: load_teacher(teacher_dir, cfg.train.dtype, device, dist, cfg.dist, placement, f"teacher{slot}")
     if cfg.teacher.logits == "live":
         # its files' content (memoized by size and mtime), hashed by rank 0 while its peers wait outside collectives
-        identity = from_rank0(dist, "hash the teacher's files", lambda: teacher_hash(teacher_dir, cache_root(cfg) / "hashes"))
+        identity = from_rank0(dist, "hash the teacher's files",
+                              lambda: teacher_hash(teacher_dir, cache_root(cfg) / "hashes"))
         d = cfg.dist
         key = lambda: (identity, cfg.train.dtype, str(device), dist.world_size, placement and placement.how,
                        (d.reshard_after_forward, d.cpu_offload, d.compile))
         model = keep(f"live_teacher{slot}", key, load)
-        held = {"source": "live", "weights_dtype": sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})}
+        held = {"source": "live",
+                "weights_dtype": sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})}
         if cross_tokenizer(cfg):
             pair = cross_pair(cfg, teacher_dir, student_dir, data, device)
             return Teacher(pair.live(model, "train"), pair.live(model, "eval"), {**held, **pair.record}, identity)
@@ -181,9 +185,9 @@ def open_teacher(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: Run
     return cached_teacher(cfg, teacher_dir, student_dir, data, dist, device, announce, load)
 
 
-def cached_teacher(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: RunData, dist: DistEnv, device: torch.device,
-                   announce: Callable[[dict[str, float]], None], load: Callable[[], torch.nn.Module],
-                   pair: CrossPair | None = None) -> Teacher:
+def cached_teacher(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: RunData, dist: DistEnv,
+                   device: torch.device, announce: Callable[[dict[str, float]], None],
+                   load: Callable[[], torch.nn.Module], pair: CrossPair | None = None) -> Teacher:
     """The teacher's targets from its cache, built first by this job's ranks if nobody has yet (``pair``: a teacher
     with another tokenizer, whose targets the cache keeps on the student's positions)."""
     from kdsweep.teacher.build import PlainTargets
@@ -210,7 +214,8 @@ def cached_teacher(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: R
     used = torch.arange(len(data.train))
     prepared = (root / cache_key(spec, digest, data.cache_dir.name, "all")).is_dir()  # every row: `kdsweep prepare`
     if cfg.teacher.cache.rows == "used" and not prepared:
-        used = StepSampler(len(data.train), cfg.data.batch_size, cfg.train.seed).rows_of_first_steps(cfg.train.max_steps)
+        used = StepSampler(len(data.train), cfg.data.batch_size, cfg.train.seed).rows_of_first_steps(
+            cfg.train.max_steps)
     # the rows it holds: all (shared by any run on these rows), or those of this seed, batch size and length
     coverage = "all" if len(used) == len(data.train) else {
         "seed": cfg.train.seed, "batch_size": cfg.data.batch_size, "max_steps": cfg.train.max_steps}

@@ -46,17 +46,19 @@ def mix(teachers: list[Teacher], weights: list[float], names: list[str]) -> Teac
     each comes from), the baseline's identity of them all and their weights."""
     total = sum(weights)
     log.info("teachers: %s; the KD term is the weighted mean of the divergences to each",
-             ", ".join(f"{name} (weight {w / total:.3g}, {t.record['source']})" for name, w, t in zip(names, weights, teachers)))
+             ", ".join(f"{name} (weight {w / total:.3g}, {t.record['source']})"
+                       for name, w, t in zip(names, weights, teachers)))
     record: dict[str, Any] = {
         "source": "mixture", "ready": all(t.record.get("ready", True) for t in teachers),
         "kd": "the weighted mean of the divergences to each teacher, each as its own targets define it",
         "teacher_ce": "the weighted mean of each teacher's cross-entropy of the same text",
         "kl": "the weighted mean of each teacher's logged distance, at T=1",
-        "teachers": [{"teacher": name, "weight": w / total, **t.record} for name, w, t in zip(names, weights, teachers)],
+        "teachers": [{"teacher": name, "weight": w / total, **t.record}
+                     for name, w, t in zip(names, weights, teachers)],
     }
     identity = hashlib.sha256(json.dumps([[t.identity, w / total] for t, w in zip(teachers, weights)]).encode())
-    return Teacher(MixedTeacher([t.train for t in teachers], weights), MixedTeacher([t.eval for t in teachers], weights),
-                   record, identity.hexdigest()[:20])
+    return Teacher(MixedTeacher([t.train for t in teachers], weights),
+                   MixedTeacher([t.eval for t in teachers], weights), record, identity.hexdigest()[:20])
 
 
 __all__ = ["MixedTeacher", "mix"]

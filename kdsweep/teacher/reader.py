@@ -4,14 +4,14 @@ The student's tokens are turned back into the bytes they stand for (:func:`~kdsw
 each run of content tokens between the student's special tokens (BOS, EOS, a document start in a packed row) is
 one segment, which the teacher tokenizes in its own vocabulary and conventions; the student's BOS and EOS become
 the teacher's own (and align with them: the student learns where a document ends from the teacher's EOS), other
-special tokens are not aligned, and a packed row's documents stay apart (the teacher's positions restart with each, as the
-student's do). Both sides' offsets are byte offsets into the row's bytes, so that a byte-level token holding part
-of a character still has a place; :func:`~kdsweep.teacher.align.align_spans` reads them as one character per byte
-(``text`` is the bytes decoded as latin-1). Bytes that are not valid UTF-8 (a character cut at the row's edge) are
-not given to the teacher: the student tokens over them stay unaligned. A segment whose teacher tokens do not spell
-it back (the teacher's normalisation changed the text: lowercasing, an unknown character) is not aligned either:
-its bytes are :attr:`Read.changed`, the teacher reads them as context, and the job refuses a teacher that changes
-the first rows it reads (:func:`kdsweep.teacher.job.check_reads`).
+special tokens are not aligned, and a packed row's documents stay apart (the teacher's positions restart with each, as
+the student's do). Both sides' offsets are byte offsets into the row's bytes, so that a byte-level token holding part of
+a character still has a place; :func:`~kdsweep.teacher.align.align_spans` reads them as one character per byte (``text``
+is the bytes decoded as latin-1). Bytes that are not valid UTF-8 (a character cut at the row's edge) are not given to
+the teacher: the student tokens over them stay unaligned. A segment whose teacher tokens do not spell it back (the
+teacher's normalisation changed the text: lowercasing, an unknown character) is not aligned either: its bytes are
+:attr:`Read.changed`, the teacher reads them as context, and the job refuses a teacher that changes the first rows it
+reads (:func:`kdsweep.teacher.job.check_reads`).
 """
 
 from __future__ import annotations
@@ -100,14 +100,15 @@ class RowReader:
         ids = batch.input_ids.tolist()
         starts = ([{k for k, p in enumerate(row) if p == 0} for row in batch.position_ids.tolist()]
                   if batch.position_ids is not None else [set()] * len(ids))
-        return [self.read(row, labels, doc, ignore_index) for row, labels, doc in zip(ids, batch.labels.tolist(), starts)]
+        return [self.read(row, labels, doc, ignore_index)
+                for row, labels, doc in zip(ids, batch.labels.tolist(), starts)]
 
     def read(self, ids: list[int], labels: list[int] | None = None, doc_starts: set[int] = frozenset(),
              ignore_index: int = -100) -> Read:
-        """``ids``: one student row; ``labels``: its targets (``labels[t]`` is what position t predicts); ``doc_starts``:
-        the positions where a packed document begins (its position ids restart). A target that is not the next input
-        (the EOS a packed document ends with, the token past the row's end) is part of the student's sequence too,
-        predicted by its position, so that the teacher reads it and the spans hold it."""
+        """``ids``: one student row; ``labels``: its targets (``labels[t]`` is what position t predicts);
+        ``doc_starts``: the positions where a packed document begins (its position ids restart). A target that is not
+        the next input (the EOS a packed document ends with, the token past the row's end) is part of the student's
+        sequence too, predicted by its position, so that the teacher reads it and the spans hold it."""
         text, seq, student, predictor, seg_start = [], [], [], [], 0  # text: a character per byte, a marker per BOS/EOS
         skipped: set[int] = set()  # bytes not given to the teacher (not valid UTF-8: a character the row cut)
         changed: list[tuple[str, str]] = []  # segments the teacher's tokens spell otherwise
@@ -165,7 +166,8 @@ class RowReader:
             if not add(token, t - 1 if shifted else None):
                 break
             target = None if labels is None else labels[t]
-            if target is not None and target != ignore_index and (t == last or target != ids[t + 1] or t + 1 in doc_starts):
+            if (target is not None and target != ignore_index
+                    and (t == last or target != ids[t + 1] or t + 1 in doc_starts)):
                 if not add(target, t):
                     break
         flush()
@@ -192,7 +194,8 @@ class RowReader:
                 if offsets is None:  # its normalisation changed the text: read as context, never aligned
                     offsets = [None] * len(enc["input_ids"])
                     skipped.update(range(base + at, base + at + len(chunk.encode("utf-8"))))
-                    changed.append((chunk, b"".join(self.t_pieces[i] for i in enc["input_ids"]).decode("utf-8", "replace")))
+                    changed.append((chunk,
+                                    b"".join(self.t_pieces[i] for i in enc["input_ids"]).decode("utf-8", "replace")))
                 out += [(i, None if o is None else (base + at + o[0], base + at + o[1]))
                         for i, o in zip(enc["input_ids"], offsets)]
             at = end

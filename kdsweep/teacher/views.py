@@ -106,7 +106,8 @@ class TeacherViews:
         self.s_special, self.t_special = set(student.all_special_ids), set(teacher.all_special_ids)
         backend = getattr(teacher, "backend_tokenizer", None)
         spec = backend.to_str() if backend is not None else repr(sorted(teacher.get_vocab().items()))
-        self.identity = hashlib.sha256(repr((VIEWS_VERSION, spec, template, sorted(self.t_special))).encode()).hexdigest()[:16]
+        self.identity = hashlib.sha256(
+            repr((VIEWS_VERSION, spec, template, sorted(self.t_special))).encode()).hexdigest()[:16]
         """The teacher's tokenizer (vocabulary, normaliser, special tokens) and template: what its views depend on."""
 
     @functools.cached_property
@@ -135,7 +136,8 @@ class TeacherViews:
         s_pieces, t_pieces = self.pieces
         s_places = placed(ids, s_pieces, self.s_special, rendering.full, f"model ({where})")
         t_places = placed(t_ids, t_pieces, self.t_special, theirs.full, f"{self.section} ({where})")
-        shared = [rendering.full[a:b] == theirs.full[c:d] for (a, b), (c, d) in zip(rendering.contents, theirs.contents)]
+        shared = [rendering.full[a:b] == theirs.full[c:d]
+                  for (a, b), (c, d) in zip(rendering.contents, theirs.contents)]
         text, student = on_contents(rendering, s_places, shared)
         text_t, teacher = on_contents(theirs, t_places, shared)
         assert text == text_t, (text, text_t)  # the same contents, by construction
@@ -222,5 +224,5 @@ def chat_view(cfg: Any, student: Any = None, teacher: Callable[[], Any] | None =
     return TeacherViews(student if student is not None else load_tokenizer(resolve_dir(cfg.model)), tokenizer, template)
 
 
-__all__ = ["TURN_END", "TeacherViews", "ViewReads", "chat_view", "on_contents", "placed", "read_views", "reads_chat_in_own_template",
-           "token_bytes"]
+__all__ = ["TURN_END", "TeacherViews", "ViewReads", "chat_view", "on_contents", "placed", "read_views",
+           "reads_chat_in_own_template", "token_bytes"]
