@@ -30,7 +30,8 @@ def warn_idle_knobs(cfg: RunConfig, dist: DistEnv) -> None:
         for knob in ("reshard_after_forward", "cpu_offload", "teacher_placement", "student_mesh", "device_memory_gb",
                      "memory_headroom"):
             if changed(cfg.dist, DistConfig(), knob):
-                log.warning("dist.%s=%s has no effect with one rank (nothing is sharded)", knob, getattr(cfg.dist, knob))
+                log.warning("dist.%s=%s has no effect with one rank (nothing is sharded)", knob,
+                            getattr(cfg.dist, knob))
     elif cfg.dist.teacher_placement != "auto":
         for knob in ("device_memory_gb", "memory_headroom"):
             if changed(cfg.dist, DistConfig(), knob):
@@ -42,9 +43,9 @@ def warn_idle_knobs(cfg: RunConfig, dist: DistEnv) -> None:
     if not cfg.train.tf32 and cfg.train.device != "cuda" and not _cuda():
         log.warning("train.tf32=false has no effect on CPU (TF32 is a GPU matmul mode)")
     if cfg.train.dtype == "bf16_pure" and cfg.model.lora_rank == 0:
-        log.warning("train.dtype=bf16_pure: a full fine-tune keeps bf16 master weights and bf16 AdamW state, so updates "
-                    "below bf16's resolution (about 0.4%% of a weight) round away; train.dtype=bf16 computes in bf16 "
-                    "with fp32 master weights")
+        log.warning("train.dtype=bf16_pure: a full fine-tune keeps bf16 master weights and bf16 AdamW state, so "
+                    "updates below bf16's resolution (about 0.4%% of a weight) round away; train.dtype=bf16 computes "
+                    "in bf16 with fp32 master weights")
     if dist.source in ("torchrun", "slurm") and changed(cfg.dist, DistConfig(), "nproc_per_node"):
         log.warning("dist.nproc_per_node=%d is ignored: %s decides the ranks (%d here)",
                     cfg.dist.nproc_per_node, dist.source, dist.world_size)
@@ -63,7 +64,8 @@ def warn_idle_knobs(cfg: RunConfig, dist: DistEnv) -> None:
     if not cfg.rollout.active:
         for knob in ("max_new_tokens", "temperature", "top_p", "seed"):
             if changed(cfg.rollout, RolloutConfig(), knob):
-                log.warning("rollout.%s has no effect with lmbda=0 and rollout.seq_kd=false (nothing is generated)", knob)
+                log.warning("rollout.%s has no effect with lmbda=0 and rollout.seq_kd=false (nothing is generated)",
+                            knob)
     if cfg.loss.kd_ratio == 0 and cfg.rollout.lmbda == 0:
         for knob in ("divergence", "beta", "temperature"):
             if changed(cfg.loss, LossConfig(), knob):

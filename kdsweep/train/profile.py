@@ -35,7 +35,8 @@ class StepProfiler:
     def __init__(self, cfg: ProfilerConfig, out: Path, device: torch.device, rank: int) -> None:
         self.dir, self.rank = out / "profile", rank
         self.cuda = device.type == "cuda"
-        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if self.cuda else [])
+        activities = ([torch.profiler.ProfilerActivity.CPU]
+                      + ([torch.profiler.ProfilerActivity.CUDA] if self.cuda else []))
         self._prof = torch.profiler.profile(
             activities=activities,
             schedule=torch.profiler.schedule(wait=cfg.wait, warmup=cfg.warmup, active=cfg.active, repeat=1),
