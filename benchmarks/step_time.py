@@ -156,8 +156,11 @@ def paired_run(argv: list[str], out: Path) -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    def paired(student, teacher, micro, optimizer, scheduler, **kw):
+    def paired(*args, **kw):  # train_step([learner], micro, ...) here; (student, teacher, micro, optimizer, ...)
+        learner = args[0][0] if isinstance(args[0], list) else None  # before 5ab52e8 (a base commit's)
+        micro = args[1] if learner else args[2]
         if not twin:
+            student, optimizer = (learner.student, learner.optimizer) if learner else (args[0], args[3])
             twin["model"] = copy.deepcopy(student)
             twin["opt"] = torch.optim.AdamW([p for p in twin["model"].parameters() if p.requires_grad],
                                             lr=optimizer.param_groups[0]["lr"])
@@ -165,7 +168,7 @@ def paired_run(argv: list[str], out: Path) -> None:
         if len(pairs) % 2:
             plain(micro)
         t1 = time.perf_counter()
-        stats = real(student, teacher, micro, optimizer, scheduler, **kw)
+        stats = real(*args, **kw)
         t2 = time.perf_counter()
         if not len(pairs) % 2:
             plain(micro)
