@@ -299,16 +299,14 @@ def divergence_sum(
     beta: float = 0.5,
     temperature: float = 1.0,
     ignore_index: int = -100,
-    teacher_logprobs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(Σ over valid tokens of D(teacher_T, student_T), valid-token count)``: fp32 and int64 scalars.
 
-    student_logits ``[N, V]``, teacher ``[N, V]`` logits (or log-probabilities at T = 1 if ``teacher_logprobs``),
+    student_logits ``[N, V]``, teacher ``[N, V]`` logits (log-probabilities at T = 1 are logits too: :func:`log_probs`),
     labels ``[N]`` (only ``labels != ignore_index`` is used). Not scaled by :func:`temperature_factor`. Ignored
     tokens contribute exactly 0 (and zero gradient) whatever their logits; all-masked gives (0, 0).
     """
     check_divergence(divergence, beta, temperature)
-    del teacher_logprobs  # log-probs and logits take the same path: see log_probs
     log_p_s = log_probs(student_logits, temperature)
     log_p_t = finite_teacher(log_probs(teacher, temperature))
     per_token = divergence_per_token(divergence, log_p_s, log_p_t, beta=beta)

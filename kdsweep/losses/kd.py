@@ -130,14 +130,13 @@ def kd_loss_sums(
     temperature: float = 1.0,
     ignore_index: int = -100,
     num_chunks: int = 1,
-    teacher_logprobs: bool = False,
     once: bool = False,
 ) -> LossSums:
     """CE, the temperature-scaled KD divergence and the logged forward KL, summed over valid tokens in ``num_chunks``
     chunks.
 
-    student_logits ``[..., Vs]``; ``teacher``: logits ``[..., Vt]`` (or log-probabilities at T = 1 when
-    ``teacher_logprobs``), or the teacher's targets for the flattened tokens (:mod:`kdsweep.losses.targets`: logits,
+    student_logits ``[..., Vs]``; ``teacher``: logits ``[..., Vt]`` (log-probabilities at T = 1 are logits too: the
+    same log-softmax), or the teacher's targets for the flattened tokens (:mod:`kdsweep.losses.targets`: logits,
     or what a teacher-logit cache kept); labels ``[...]`` with the same leading shape. Everything is flattened to
     tokens; the vocabularies are cut to the smaller one (:func:`align_vocab`) and both distributions renormalised
     there in fp32. ``divergence`` is one of :data:`~kdsweep.losses.divergences.DIVERGENCES`, ``beta`` its β (jsd,
@@ -150,7 +149,6 @@ def kd_loss_sums(
     check_divergence(divergence, beta, temperature)
     if num_chunks < 1:
         raise ValueError(f"num_chunks={num_chunks} must be >= 1")
-    del teacher_logprobs  # log-probs and logits take the same path: see log_probs
     factor = temperature_factor(divergence, temperature)
     targets = Logits(logits=teacher.reshape(-1, teacher.shape[-1])) if isinstance(teacher, torch.Tensor) else teacher
     s, y = student_logits.reshape(-1, student_logits.shape[-1]), labels.reshape(-1)

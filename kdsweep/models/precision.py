@@ -39,10 +39,6 @@ class Precision:
         """Trainable weights, their gradients and the optimizer's state."""
         return torch.bfloat16 if self.name == "bf16_pure" else torch.float32
 
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return self.frozen_dtype
-
     def student_dtype(self, full_fine_tune: bool) -> torch.dtype:
         """What the student is read in: a full fine-tune's weights are its master weights; a LoRA base is frozen."""
         return self.master_dtype if full_fine_tune else self.frozen_dtype

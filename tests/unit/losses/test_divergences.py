@@ -285,7 +285,7 @@ def test_teacher_as_log_probs_equals_teacher_as_logits(divergence, beta, tempera
     padded = torch.cat([t, torch.randn(30, 8)], dim=-1)  # a padded teacher vocabulary is cut either way
     kw = dict(divergence=divergence, beta=beta, temperature=temperature, num_chunks=4)
     from_logits = kd_loss_sums(s, padded, y, **kw)
-    from_logprobs = kd_loss_sums(s, torch.log_softmax(padded, -1), y, teacher_logprobs=True, **kw)
+    from_logprobs = kd_loss_sums(s, torch.log_softmax(padded, -1), y, **kw)
     for a, b in zip(from_logits, from_logprobs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
@@ -299,7 +299,7 @@ def test_teacher_ruling_tokens_out_keeps_forward_kl_jsd_and_tvd_finite():
     t_big[:, :4] = -1e4  # the same distribution, finite
     for divergence, beta in [("forward_kl", 0.5), ("jsd", 0.5), ("jsd_normalized", 0.3), ("tvd", 0.5)]:
         x1, x2 = s.clone().requires_grad_(), s.clone().requires_grad_()
-        a = kd_loss_sums(x1, torch.log_softmax(t_inf, -1), y, divergence=divergence, beta=beta, teacher_logprobs=True)
+        a = kd_loss_sums(x1, torch.log_softmax(t_inf, -1), y, divergence=divergence, beta=beta)
         b = kd_loss_sums(x2, t_big, y, divergence=divergence, beta=beta)
         a.total(0.5).backward()
         b.total(0.5).backward()

@@ -57,3 +57,30 @@ def test_without_a_background_read_nothing_is_read_before_it_is_asked_for():
     assert torch.equal(ahead.get(batches[1])["x"], torch.tensor([2, 3]))
     assert torch.equal(ahead.get(batches[0])["x"], torch.tensor([0, 1]))
     assert reads == [(2, threading.current_thread().name), (0, threading.current_thread().name)]
+
+
+def test_its_thread_ends_with_the_reader_so_a_warm_worker_keeps_none_of_its_trials_threads():
+    """A reader's pool thread holds its executor weakly and leaves when the reader (and so its pool) is collected:
+    a warm worker's trials, each with its own cached source, leave no thread behind while nothing keeps a reader."""
+    import gc
+    import time
+
+    def readers() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.startswith("kdsweep-cache-read")]
+
+    def settled() -> int:  # the readers still running once nothing holds one (gc: an earlier test's too)
+        gc.collect()
+        deadline = time.monotonic() + 10
+        while readers() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return len(readers())
+
+    assert settled() == 0
+    for _ in range(3):  # three trials' readers, one after the other, as a warm worker runs them
+        ahead = ReadAhead(lambda b: {"x": b.rows}, background=True)
+        ahead.expect([batch(0), batch(2)])
+        ahead.get(batch(0))
+        ahead.get(batch(2))
+        assert len(readers()) == 1
+        del ahead
+        assert settled() == 0
