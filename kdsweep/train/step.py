@@ -147,6 +147,7 @@ def train_step(
                 sums = micro_batch_backward(learner.student, given[id(learner.teacher)], batch, learner.loss_cfg,
                                             scale, compute, learner.chunks)
                 totals[i] += torch.stack([sums.ce, sums.kd, sums.kl])
+            given.clear()  # the batch's targets go now, not when the next batch's are made (two would be held)
     norms, lrs = [], []
     for learner in learners:
         params = [p for p in learner.student.parameters() if p.requires_grad]
