@@ -58,12 +58,15 @@ def split_like(targets: Targets, num_chunks: int, *tensors: torch.Tensor) -> lis
 def token_chunks(targets: Targets, num_chunks: int, *tensors: torch.Tensor) -> Iterator[tuple[tuple, Targets]]:
     """Each chunk of ``targets.split(num_chunks)`` with the same tokens of ``tensors`` (:func:`split_like`), handed out
     one at a time: nothing here keeps a chunk once the next is asked for, so a chunk, and whatever its targets compute
-    and keep, lives only while its consumer holds it (not the whole batch's chunks until the last is done)."""
+    and keep, lives only while its consumer holds it (not the whole batch's chunks until the last is done), and
+    not a moment longer: a chunk is popped into the yield, so this frame holds no reference to the one the consumer
+    works on (a fused chunk's projected ``[chunk, V]`` logits die once its log-probabilities exist)."""
     pieces, parts = split_like(targets, num_chunks, *tensors), targets.split(num_chunks)
     del tensors
-    for i in range(len(parts)):
-        (piece, pieces[i]), (part, parts[i]) = (pieces[i], None), (parts[i], None)
-        yield piece, part
+    pieces.reverse()
+    parts.reverse()
+    while parts:
+        yield pieces.pop(), parts.pop()
 
 
 def align_vocab(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,11 +1,12 @@
 """KD loss math against a dense float64 reference."""
 
 import math
+import weakref
+from dataclasses import dataclass
+from typing import Callable
 
 import pytest
 import torch
-
-import weakref
 
 from kdsweep.losses import align_vocab, kd_loss_sums, split_chunks, token_chunks
 from kdsweep.losses.targets import Logits
@@ -132,6 +133,50 @@ def test_token_chunks_hands_out_each_chunk_and_keeps_none_the_consumer_let_go():
     assert alive == [0, 0, 0] and len(t_c) == 3
     del t_c
     assert all(r() is None for r in seen)
+
+
+def test_token_chunks_keeps_no_reference_to_the_chunk_its_consumer_works_on():
+    """Once the consumer lets go of a chunk it was handed, the chunk dies then, not when the next is asked for: the
+    fused loss's projected [chunk, V] logits were held by the generator through the chunk's whole loss and backward
+    (one more [chunk, V] buffer at a real vocabulary)."""
+    x, y = torch.randn(10, 5), torch.arange(10)
+    for (x_c, y_c), t_c in token_chunks(Logits(logits=torch.randn(10, 5)), 3, x, y):
+        refs = [weakref.ref(x_c), weakref.ref(y_c), weakref.ref(t_c)]
+        del x_c, y_c, t_c
+        assert [r() for r in refs] == [None, None, None]
+
+
+@dataclass
+class _Watched(Logits):
+    """Logits whose divergence records whether the student's logits are still alive when it runs."""
+
+    alive: list | None = None
+    ref: Callable | None = None
+
+    def split_at(self, sizes):
+        return [_Watched(logits=c, alive=self.alive, ref=self.ref) for c in torch.split(self.logits, sizes)]
+
+    def divergence(self, log_q, divergence, beta, temperature):
+        self.alive.append(self.ref() is not None)
+        return super().divergence(log_q, divergence, beta, temperature)
+
+
+@pytest.mark.parametrize("num_chunks", [1, 3])
+def test_the_student_logits_die_before_the_divergence_runs(num_chunks):
+    """kd_loss_sums lets its student's logits go once their log-probabilities exist (the step's graph keeps the
+    log-probabilities, not the logits), so the divergence runs beside one [n, V] student tensor, not two."""
+    w = torch.randn(4, 7, requires_grad=True)
+    targets = _Watched(logits=torch.randn(12, 7), alive=[])
+
+    def logits():  # the caller keeps no reference: a fused chunk's projection is handed straight in
+        out = torch.randn(12, 4) @ w
+        targets.ref = weakref.ref(out)
+        return out
+
+    sums = kd_loss_sums(logits(), targets, torch.arange(12) % 7, num_chunks=num_chunks, once=True)
+    sums.total(0.5).backward()
+    assert targets.alive == ([False] if num_chunks == 1 else [True, True, False])  # views keep their base alive
+    assert w.grad is not None
 
 
 def test_total_mixes_by_kd_ratio():
