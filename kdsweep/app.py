@@ -281,6 +281,63 @@ def job(cfg: DictConfig) -> float:
     return summary["objective"]
 
 
+def pack_member(cfg: DictConfig) -> tuple[RunConfig, dict[str, Any], list[str]]:
+    """A packed grid's job, composed and validated as :func:`job` would (its one line for bad input), not run:
+    ``hydra/launcher=kdsweep_pack`` trains them together (:func:`pack_jobs`)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from kdsweep.evaluation import downstream
+    from kdsweep.models.check import preflight_targets
+    from kdsweep.train import check_resumable
+
+    hc = HydraConfig.get()
+    output_dir = hc.runtime.output_dir
+    try:
+        raw = resolve(cfg)
+        raw["output_dir"] = output_dir
+        _group_grid_runs(raw, hc)
+        run_cfg = validate(raw)
+        check_resumable(run_cfg)
+        preflight_targets(run_cfg, zoo_too=True)
+        downstream.check(run_cfg.downstream)
+    except ConfigError as e:
+        fail(str(e), output_dir)
+    return run_cfg, raw, list(hc.overrides.task)
+
+
+def pack_jobs(members: list[tuple[RunConfig, dict[str, Any], list[str]]]) -> list[Any]:
+    """Train a grid's jobs (:func:`pack_member`'s) as one pack in this process (:func:`kdsweep.pack.run_pack`): each
+    job's objective, or the error it failed with. What cannot be packed is one line before anything trains."""
+    from kdsweep.distributed import detect
+    from kdsweep.distributed.signals import PreemptionWatch
+    from kdsweep.metrics.records import JOB_STARTED, process_started
+    from kdsweep.pack import check_pack, run_pack
+
+    cfgs = [cfg for cfg, _, _ in members]
+    ranks = max(detect().world_size, *(cfg.dist.nproc_per_node for cfg in cfgs))
+    try:
+        check_pack(cfgs, ranks)
+    except ValueError as e:
+        fail(str(e), None)
+    os.environ[JOB_STARTED] = str(process_started())
+    watch = PreemptionWatch()
+    with SESSION.joined(cfgs[0]) as env:
+        handlers = [_setup_rank_logging(cfg.output_dir, env.rank) for cfg in cfgs]  # each job's log: the pack's
+        try:
+            results = run_pack(cfgs, dist=env, preemption=watch, resolved_configs=[raw for _, raw, _ in members],
+                               overrides=[o for _, _, o in members], kept=SESSION.kept())  # the pack's own
+        finally:
+            for handler in handlers:
+                logging.getLogger().removeHandler(handler)
+                handler.close()
+    watch.restore()
+    for cfg, result in zip(cfgs, results):
+        said = (f"{type(result).__name__}: {result}" if isinstance(result, BaseException) else
+                f"held-out CE {result.eval_before.student_ce:.4f} -> {result.objective:.4f}, {result.status}")
+        print(f"pack member {cfg.output_dir}: {said}", flush=True)
+    return [r if isinstance(r, BaseException) else r.objective for r in results]
+
+
 _hydra_main = hydra.main(version_base=None, config_path=conf_dir(), config_name="config")(task)
 _trial_main = hydra.main(version_base=None, config_path=conf_dir(), config_name="config")(job)
 

@@ -1,4 +1,5 @@
-"""Hydra callbacks: before a grid, every point validated and its SLURM jobs' ranks ended together when one dies;
+"""Hydra callbacks: before a grid, every point validated (and, packed, checked to agree) and its SLURM jobs' ranks
+ended together when one dies;
 after a multirun, one table of every job's objective (read from the jobs' run.json)."""
 
 from __future__ import annotations
@@ -57,12 +58,20 @@ class ValidateGrid(Callback):
 
         loader = ConfigLoaderImpl(config_search_path=create_config_search_path(conf_dir()))
         hydra_overrides = [str(o) for o in config.hydra.overrides.hydra]
+        points = []
         for i, point in enumerate(grid_points(config)):
             try:
                 cfg = loader.load_configuration("config", [*hydra_overrides, *point], RunMode.RUN)
-                validate_composed(cfg, str(Path(str(config.hydra.sweep.dir)) / str(i)))
+                points.append(validate_composed(cfg, str(Path(str(config.hydra.sweep.dir)) / str(i))))
             except ConfigError as e:
                 fail(f"grid point {i} ({' '.join(point)}): {e}", None)
+        if "PackLauncher" in str((config.hydra.get("launcher") or {}).get("_target_", "")):
+            from kdsweep.pack import check_pack
+
+            try:  # the grid trains as one pack (hydra/launcher=kdsweep_pack): its points must agree
+                check_pack(points, max(p.dist.nproc_per_node for p in points))
+            except ValueError as e:
+                fail(f"hydra/launcher=kdsweep_pack: {e}", None)
 
 
 KILL_BAD_EXIT = "export SLURM_KILL_BAD_EXIT=1"

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from kdsweep.config.schema import DistConfig, StudentConfig
+from kdsweep.config.schema import DistConfig, RunConfig, StudentConfig
+from kdsweep.distributed import DistEnv
 from kdsweep.models.load import prepare, read_model, student_wrapper
 from kdsweep.models.precision import Precision
 
@@ -29,6 +31,26 @@ def sharing_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo=shared)
 
 
+class OverOneBase:
+    """A pack's students (:class:`~kdsweep.pack.job.Member` seats them): each member's student wrapped over one frozen
+    base, read on the first member's load and shared by the rest (:func:`sharing_copy`). A member's export merges a
+    copy of it, never the shared base."""
+
+    def __init__(self) -> None:
+        self.base: nn.Module | None = None
+
+    def load(self, cfg: RunConfig, src: Any, device: torch.device, dist: DistEnv) -> nn.Module:
+        if cfg.model.lora_rank == 0:
+            raise ValueError("a pack's members share the student's frozen base: model.lora_rank=0 trains the base; "
+                             "give the member a LoRA rank, or run it unpacked")
+        if self.base is None:
+            self.base = read_model(src.student_dir, Precision(cfg.train.dtype).student_dtype(False))
+        return member(self.base, cfg.model, cfg.train.dtype, device, cfg.train.seed, cfg.dist)
+
+    def own(self, student: nn.Module) -> nn.Module:
+        return copy.deepcopy(student)  # merging folds the adapter into the base: the others' base stays untouched
+
+
 def students_over_one_base(model_dir: Path, cfgs: list[StudentConfig], dtype: str, device: torch.device, seed: int,
                            dist_cfg: DistConfig | None = None) -> list[nn.Module]:
     """One student per ``cfgs`` entry, each as :func:`~kdsweep.models.load.load_student` would load it on one rank
@@ -38,12 +60,16 @@ def students_over_one_base(model_dir: Path, cfgs: list[StudentConfig], dtype: st
         raise ValueError(f"a pack's members share the student's frozen base: member {full[0]} has lora_rank=0 "
                          "(a full fine-tune trains the base); give every member a LoRA rank, or run it unpacked")
     base = read_model(model_dir, Precision(dtype).student_dtype(False))
-    students = []
-    for cfg in cfgs:
-        student = student_wrapper(cfg, seed, dtype)(sharing_copy(base))
-        prepare(student, dist_cfg or DistConfig(), True)
-        students.append(student.to(device))
-    return students
+    return [member(base, cfg, dtype, device, seed, dist_cfg or DistConfig()) for cfg in cfgs]
+
+
+def member(base: nn.Module, cfg: StudentConfig, dtype: str, device: torch.device, seed: int,
+           dist_cfg: DistConfig) -> nn.Module:
+    """The student ``cfg`` asks for, as :func:`~kdsweep.models.load.load_student` would load it on one rank (its
+    adapter from ``seed``), over ``base``'s weights (shared, not copied)."""
+    student = student_wrapper(cfg, seed, dtype)(sharing_copy(base))
+    prepare(student, dist_cfg, True)
+    return student.to(device)
 
 
 def shares_base(students: list[nn.Module]) -> bool:

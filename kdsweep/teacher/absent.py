@@ -74,6 +74,10 @@ class TeacherFree(TeacherSource):
     def __init__(self, vocab: int) -> None:
         self.vocab = vocab
 
+    @property
+    def share_key(self) -> tuple:
+        return "none", self.vocab
+
     @contextmanager
     def targets(self, batch: Batch) -> Iterator[Targets]:
         yield NoTargets(batch.labels.numel(), self.vocab)

@@ -163,6 +163,10 @@ class CachedTeacher(TeacherSource):
             raw["ids"] = raw["ids"].to(torch.int64)  # uint16 on disk: widened here, where every device can
         return raw
 
+    @property
+    def share_key(self) -> tuple:
+        return "cache", str(self.split.path), self.split.split, str(self.device)
+
     def prefetch(self, batches: Sequence[Batch]) -> None:
         self.ahead.expect(batches)
 

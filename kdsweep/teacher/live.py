@@ -23,6 +23,10 @@ class LiveTeacher(TeacherSource):
         self.model, self.fused = model, fused
         self.tokens_computed, self.tokens_read = 0, 0
 
+    @property
+    def share_key(self) -> tuple:
+        return "live", id(self.model), self.fused
+
     @contextmanager
     def targets(self, batch: Batch) -> Iterator[Logits]:
         self.tokens_computed += batch.input_ids.numel()  # padding too: the model computes it

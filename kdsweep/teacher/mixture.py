@@ -31,6 +31,10 @@ class MixedTeacher(TeacherSource):
     def tokens_read(self) -> int:
         return sum(s.tokens_read for s in self.sources)
 
+    @property
+    def share_key(self) -> tuple:
+        return "mixture", tuple(s.share_key for s in self.sources), tuple(self.weights)
+
     def prefetch(self, batches: Sequence[Batch]) -> None:
         for s in self.sources:
             s.prefetch(batches)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ContextManager, Protocol, Sequence
+from typing import ContextManager, Hashable, Protocol, Sequence
 
 from kdsweep.data.batch import Batch
 from kdsweep.losses.targets import Targets
@@ -19,6 +19,13 @@ class TeacherSource(Protocol):
     def targets(self, batch: Batch) -> ContextManager[Targets]:
         """The targets of ``batch``'s tokens (flattened ``[B·T]``), valid until the context ends."""
         ...
+
+    @property
+    def share_key(self) -> Hashable:
+        """Sources with equal keys give the same targets for the same batch: a step that trains several learners (a
+        pack's members) makes them once for all of them (:func:`~kdsweep.train.step.train_step`). This default
+        shares with no other source."""
+        return id(self)
 
     def prefetch(self, batches: Sequence[Batch]) -> None:
         """The batches whose targets will be asked for next, in order: a cache reads each one ahead, while the one

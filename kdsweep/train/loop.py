@@ -8,7 +8,7 @@ import logging
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, ContextManager, Generator, Protocol
 
 import torch
 
@@ -28,8 +28,8 @@ from kdsweep.train.knobs import warn_idle_knobs
 from kdsweep.train.profile import step_profiler
 from kdsweep.train.resume import check_resumable, training_fingerprint
 from kdsweep.train.sources import Sources, open_sources
-from kdsweep.train.step import EvalResult, Learner, train_step
-from kdsweep.train.trial import peak_memory_mb, reset_peak_memory, start_trial
+from kdsweep.train.step import Batch, EvalResult, Learner, StepStats, train_step
+from kdsweep.train.trial import ALONE, Seat, peak_memory_mb, reset_peak_memory, start_trial
 
 log = logging.getLogger(__name__)
 
@@ -78,16 +78,18 @@ class RunResult:
 
 
 def _deliver(cfg: RunConfig, student: torch.nn.Module, src: Sources, out: Path, dist: DistEnv,
-             step: int) -> tuple[dict[str, str], dict[str, Any]]:
+             step: int, seat: Seat) -> tuple[dict[str, str], dict[str, Any]]:
     """A completed run's trained student: its exports (``checkpoint``), and its scores on ``downstream.tasks``
     (lm-eval on the merged student, written for them and removed after unless ``checkpoint.export_merged``)."""
     ckpt, tasks = cfg.checkpoint, bool(cfg.downstream.tasks)
     if not (ckpt.export_adapter or ckpt.export_merged or tasks):
         return {}, {}
     failure.doing("exporting the trained student")
-    full = unsharded_on_rank0(student, src.student_dir, cfg.model, cfg.train.dtype, cfg.train.seed, dist)
+    merging = ckpt.export_merged or tasks  # folds the adapter into the base: the student's own, not a pack's
+    full = unsharded_on_rank0(seat.own(student) if merging else student, src.student_dir, cfg.model,
+                              cfg.train.dtype, cfg.train.seed, dist)
     exports = from_rank0(dist, "export the trained student", lambda: exporting.export(  # peers wait outside collectives
-        full, src.tokenizer, out / "final", adapter=ckpt.export_adapter, merged=ckpt.export_merged or tasks))
+        full, src.tokenizer, out / "final", adapter=ckpt.export_adapter, merged=merging))
     if not tasks:
         return exports, {}
     failure.doing(f"scoring {', '.join(cfg.downstream.tasks)} with lm-eval")
@@ -117,7 +119,47 @@ def prepare_data(cfg: RunConfig) -> None:
     load_data(cfg.data, tokenizer, student_dir, cfg.loss.ignore_index, view)
 
 
-def run(
+@dataclass
+class StepAsk:
+    """What a run asks of whoever drives it, at each training step: one optimizer step of its learner on these
+    micro-batches (:func:`~kdsweep.train.step.train_step`), whose stats it is then sent."""
+
+    learner: Learner
+    micro: list[Batch]
+    compute: Callable[[], ContextManager]
+    step: int
+    """The step about to be taken (0 for the first)."""
+
+
+RunSteps = Generator[StepAsk, StepStats, RunResult]
+"""A run as its steps: :func:`run_steps` yields a :class:`StepAsk` per training step and returns its result."""
+
+
+def run(cfg: RunConfig, *, dist: DistEnv | None = None, **options: Any) -> RunResult:
+    """Train the student against the teacher as ``cfg`` says; resumable from ``cfg.output_dir``. ``options``:
+    :func:`run_steps`' (the reporter, the preemption watch, the resolved config and overrides run.json records, and
+    ``kept``: what a warm worker keeps from its earlier trials; a fresh one for a plain job)."""
+    dist = dist or single_process()
+    return alone(run_steps(cfg, dist=dist, **options), dist)
+
+
+def alone(steps: RunSteps, dist: DistEnv) -> RunResult:
+    """Drive one run: each step it asks for is its own :func:`~kdsweep.train.step.train_step`; a step's error is
+    thrown back into the run (which records it) and raised."""
+    try:
+        ask = next(steps)
+        while True:
+            try:
+                stats, = train_step([ask.learner], ask.micro, dist=dist, compute=ask.compute)
+            except BaseException as e:
+                ask = steps.throw(e)
+                continue
+            ask = steps.send(stats)
+    except StopIteration as done:
+        return done.value
+
+
+def run_steps(
     cfg: RunConfig,
     *,
     reporter: Reporter = NULL_REPORTER,
@@ -126,9 +168,11 @@ def run(
     resolved_config: dict[str, Any] | None = None,
     overrides: list[str] | None = None,
     kept: Kept | None = None,
-) -> RunResult:
-    """Train the student against the teacher as ``cfg`` says; resumable from ``cfg.output_dir``. ``kept``: what a
-    warm worker keeps from its earlier trials (a fresh one for a plain job)."""
+    seat: Seat = ALONE,
+) -> RunSteps:
+    """:func:`run` as its steps, for a driver that takes them (:func:`alone`, or a pack's, which steps several runs
+    together: :mod:`kdsweep.pack`). ``seat``: alone in its job, or a pack's member (its student over the pack's
+    shared base, its share of the job's time)."""
     dist, kept = dist or single_process(), kept or Kept.one_run()
     kept.begin_run()
     resume_from = check_resumable(cfg)
@@ -143,7 +187,7 @@ def run(
         record.update(trial={"study": t.study, "number": t.number, "sweep_dir": t.sweep_dir} if t.sweep_dir else None)
     started = time.time()
     try:
-        result = _train(cfg, dist, reporter, preemption, out, record, resume_from, kept)
+        result = yield from _train(cfg, dist, reporter, preemption, out, record, resume_from, kept, seat)
     except BaseException as e:
         if record is not None:  # a collective that failed because a peer is gone is the job's lost rank, not the run's
             lost = failure.peer_lost(e)
@@ -168,8 +212,8 @@ def run(
 
 def _train(
     cfg: RunConfig, dist: DistEnv, reporter: Reporter, preemption: Preemption | None, out: Path,
-    record: RunRecord | None, resume_from: Path | None, kept: Kept,
-) -> RunResult:
+    record: RunRecord | None, resume_from: Path | None, kept: Kept, seat: Seat,
+) -> RunSteps:
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     device = device_for(cfg.train.device, dist)
@@ -179,7 +223,7 @@ def _train(
     torch.manual_seed(cfg.train.seed)
     warn_idle_knobs(cfg, dist)
     src = open_sources(cfg, dist, device, kept, record)
-    trial = start_trial(cfg, dist, device, src, record, resume_from, out)
+    trial = start_trial(cfg, dist, device, src, record, resume_from, out, seat)
     student, rollout, optimizer, scheduler, meter, metrics = (
         trial.student, trial.rollout, trial.optimizer, trial.scheduler, trial.meter, trial.metrics)
     evaluate_now, eval_before, step = trial.evaluate, trial.eval_before, trial.start_step
@@ -209,7 +253,7 @@ def _train(
                 micro = rollout.batches(step, [train_rows.batch(idx).to(device) for idx in shares])
             work = rollout.work(sum(int(train_rows.tokens[idx].sum()) for idx in shares))  # data: non-padding
             meter.step(work.tokens, work.teacher_generated)
-            stats, = train_step([learner], micro, dist=dist, compute=trial.compute)
+            stats = yield StepAsk(learner, micro, trial.compute, step)
             profiler.step()
             elapsed = time.perf_counter() - t_step
             step += 1
@@ -285,7 +329,7 @@ def _train(
         "held-out CE after %d steps: student %.4f (before %.4f), teacher %.4f, KL %.4f",
         step, eval_after.student_ce, eval_before.student_ce, eval_after.teacher_ce, eval_after.kl,
     )
-    exports, scores = _deliver(cfg, student, src, out, dist, step) if status == "completed" else ({}, {})
+    exports, scores = _deliver(cfg, student, src, out, dist, step, seat) if status == "completed" else ({}, {})
     if scores and record is not None:  # scoring is the trial's device time too (a sweep's budget counts it)
         record.cost(meter.snapshot())
     metrics.close({"objective": eval_after.student_ce, "status": status, "steps": step,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Sequence
+from typing import Callable, ContextManager, Hashable, Sequence
 
 import torch
 from torch import nn
@@ -97,8 +97,9 @@ class Learner:
 
     student: nn.Module
     teacher: TeacherSource
-    """Where its targets come from in training: learners that give the same source share each micro-batch's targets
-    (made once); a ``kd_ratio=0`` learner's gives none (:class:`~kdsweep.teacher.absent.TeacherFree`)."""
+    """Where its targets come from in training: learners whose sources have the same ``share_key`` share each
+    micro-batch's targets (made once, by the first one's source); a ``kd_ratio=0`` learner's gives none
+    (:class:`~kdsweep.teacher.absent.TeacherFree`)."""
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     loss_cfg: LossConfig
@@ -123,9 +124,10 @@ def train_step(
     split over ranks and micro-batches. Gradient reduction across ranks averages (FSDP/DDP default); the
     ``world_size`` factor turns that average back into the sum the normalisation assumes. ``compute``: what the
     forwards and the losses run under (autocast to bf16 for an unsharded bf16 student); clipping and the optimizer
-    steps run outside it. The micro-batches are the outer loop: each one's targets are made once per teacher source,
-    held while every learner that reads them runs its forward and backward, and let go before the next micro-batch's
-    (so a step holds one micro-batch's targets, however many learners it trains). A learner's arithmetic is the same
+    steps run outside it. The micro-batches are the outer loop: each one's targets are made once per teacher source
+    (sources with the same ``share_key`` are one), held while every learner that reads them runs its forward and
+    backward, and let go before the next micro-batch's (so a step holds one micro-batch's targets, however many
+    learners it trains). A learner's arithmetic is the same
     as alone: nothing it computes depends on the others."""
     ignores = sorted({learner.loss_cfg.ignore_index for learner in learners})
     if len(ignores) != 1:
@@ -134,18 +136,21 @@ def train_step(
     global_tokens = dist.all_reduce_sum(torch.as_tensor(local_tokens, dtype=torch.float32).clone())
     scale = dist.world_size / global_tokens.clamp_min(1.0)
     totals = torch.zeros(len(learners), 3, dtype=torch.float32, device=global_tokens.device)  # Σce, Σkd, Σkl
-    sources = list({id(learner.teacher): learner.teacher for learner in learners}.values())
-    for source in sources:
+    keys = [learner.teacher.share_key for learner in learners]
+    sources = {}
+    for key, learner in zip(keys, learners):
+        sources.setdefault(key, learner.teacher)  # the first learner's source makes what its key's learners read
+    for source in sources.values():
         source.prefetch(micro_batches)  # a cache reads each micro-batch's targets while the one before trains
     for batch in micro_batches:
         with contextlib.ExitStack() as held:
-            given: dict[int, Targets] = {}
-            for i, learner in enumerate(learners):
-                if id(learner.teacher) not in given:
+            given: dict[Hashable, Targets] = {}
+            for i, (key, learner) in enumerate(zip(keys, learners)):
+                if key not in given:
                     with compute():  # a live teacher's forward runs here, once for the learners that share it
-                        given[id(learner.teacher)] = held.enter_context(learner.teacher.targets(batch))
-                sums = micro_batch_backward(learner.student, given[id(learner.teacher)], batch, learner.loss_cfg,
-                                            scale, compute, learner.chunks)
+                        given[key] = held.enter_context(sources[key].targets(batch))
+                sums = micro_batch_backward(learner.student, given[key], batch, learner.loss_cfg, scale, compute,
+                                            learner.chunks)
                 totals[i] += torch.stack([sums.ce, sums.kd, sums.kl])
             given.clear()  # the batch's targets go now, not when the next batch's are made (two would be held)
     norms, lrs = [], []

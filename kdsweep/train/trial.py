@@ -11,7 +11,7 @@ import logging
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, Protocol
 
 import torch
 from torch import nn
@@ -33,6 +33,38 @@ from kdsweep.train.chunks import output_rows
 from kdsweep.train.step import Batch, EvalResult, evaluate
 
 log = logging.getLogger(__name__)
+
+
+class Seat(Protocol):
+    """Where a trial sits: alone in its job (:data:`ALONE`), or a member of a pack (:class:`~kdsweep.pack.job.Member`:
+    its student wrapped over a frozen base the members share, and a share of the job's device time)."""
+
+    def load(self, cfg: RunConfig, src: Sources, device: torch.device, dist: DistEnv) -> nn.Module:
+        """The trial's student in train mode (:func:`~kdsweep.models.load.load_student`'s)."""
+        ...
+
+    def own(self, student: nn.Module) -> nn.Module:
+        """The trained student as its export may change it in place (merging folds the adapter into the base)."""
+        ...
+
+    def seconds(self, started: float) -> float:
+        """This trial's share of the job's wall seconds since ``started`` (all of them, alone)."""
+        ...
+
+
+class _Alone:
+    def load(self, cfg: RunConfig, src: Sources, device: torch.device, dist: DistEnv) -> nn.Module:
+        return load_student(src.student_dir, cfg.model, cfg.train.dtype, device, cfg.train.seed, dist, cfg.dist,
+                            src.plan.student)
+
+    def own(self, student: nn.Module) -> nn.Module:
+        return student  # its own base: the export's is its last use
+
+    def seconds(self, started: float) -> float:
+        return time.time() - started
+
+
+ALONE: Seat = _Alone()
 
 
 @dataclass
@@ -112,12 +144,12 @@ def eval_batches_of_rank(rows: Rows, batch_size: int, dist: DistEnv, device: tor
 
 
 def start_trial(cfg: RunConfig, dist: DistEnv, device: torch.device, src: Sources, record: RunRecord | None,
-                resume_from: Path | None, out: Path) -> Trial:
-    """The trial's own parts, from its checkpoint (``resume_from``) or from the start (after the baseline)."""
+                resume_from: Path | None, out: Path, seat: Seat = ALONE) -> Trial:
+    """The trial's own parts, from its checkpoint (``resume_from``) or from the start (after the baseline); its
+    student, and its share of the job's time, from its ``seat``."""
     t0 = time.perf_counter()
     failure.doing("loading the student")
-    student = load_student(src.student_dir, cfg.model, cfg.train.dtype, device, cfg.train.seed, dist, cfg.dist,
-                           src.plan.student)
+    student = seat.load(cfg, src, device, dist)
     compute = lambda: Precision(cfg.train.dtype).autocast(device, sharded=src.plan.student.sharded)
     src.timings["student_s"] = time.perf_counter() - t0
     rollout = open_rollout(cfg, student, src.teacher, src.tokenizer, dist, device)
@@ -144,7 +176,8 @@ def start_trial(cfg: RunConfig, dist: DistEnv, device: torch.device, src: Source
 
     # the job's own start: its imports and tokenization hold the devices too
     teacher = src.teacher
-    meter = CostMeter(dist, job_started(), teacher.tokens, (teacher.record.get("build") or {}).get("teacher_tokens", 0))
+    meter = CostMeter(dist, job_started(), teacher.tokens, (teacher.record.get("build") or {}).get("teacher_tokens", 0),
+                      seat.seconds)
 
     failure.doing("resuming from its checkpoint" if resume_from is not None else "evaluating the untrained student")
     if resume_from is not None:

@@ -1,0 +1,210 @@
+"""A packed job (kdsweep.pack.run_pack): K trials in one process over one student base and one teacher pass, each
+member's run.json, metrics and exported adapter equal to the same trial run alone; what cannot be packed is one line
+before anything runs."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import read_metrics, read_run
+from helpers import WORDS, save_hf_model, word_tokenizer
+
+pytestmark = pytest.mark.slow
+
+# Per-member knobs: LoRA rank and alpha, learning rate and schedule, kd_ratio, divergence, temperature, β, clipping.
+MEMBERS = [
+    dict(model=dict(lora_rank=4, lora_alpha=8.0), optim=dict(lr=3e-2, max_grad_norm=1.0), loss=dict(kd_ratio=0.0)),
+    dict(model=dict(lora_rank=8, lora_alpha=16.0), optim=dict(lr=1e-2, max_grad_norm=0.0, weight_decay=0.1),
+         loss=dict(kd_ratio=0.5, divergence="forward_kl", temperature=2.0)),
+    dict(model=dict(lora_rank=16, lora_alpha=16.0), optim=dict(lr=3e-2, warmup_steps=2),
+         loss=dict(kd_ratio=1.0, divergence="jsd", beta=0.3)),
+    dict(model=dict(lora_rank=8, lora_alpha=32.0), optim=dict(lr=1e-2, schedule="constant"),
+         loss=dict(kd_ratio=0.5, divergence="jsd", beta=0.5, temperature=1.5)),
+]
+TRAIN_FIELDS = ("loss", "ce", "kd", "kl", "grad_norm", "lr", "tokens")
+EVAL_FIELDS = ("student_ce", "kl", "teacher_ce", "tokens")
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pack_job")
+    rng = random.Random(0)
+    (root / "docs.jsonl").write_text("".join(
+        json.dumps({"text": " ".join(rng.choices(WORDS, k=rng.choice([3, 5, 9, 17, 30])))}) + "\n" for _ in range(60)))
+    tok = word_tokenizer()
+    save_hf_model(root / "student", tok, hidden=32, layers=2, seed=0)
+    save_hf_model(root / "teacher", tok, hidden=48, layers=2, seed=1)
+    torch.set_num_threads(1)
+    return root
+
+
+def config(root: Path, name: str, member: dict, logits: str = "live", merged: bool = False):
+    from kdsweep.config.schema import (CheckpointConfig, DataConfig, DatasetConfig, LoggerConfig, LossConfig,
+                                       OptimConfig, RunConfig, StudentConfig, TeacherCacheConfig, TeacherConfig,
+                                       TrainConfig)
+
+    return RunConfig(
+        output_dir=str(root / "runs" / name),
+        model=StudentConfig(path=str(root / "student"), target_modules=("q_proj", "v_proj", "lm_head"),
+                            **member["model"]),
+        teacher=TeacherConfig(path=str(root / "teacher"), logits=logits,
+                              cache=TeacherCacheConfig(method="full", dir=str(root / "cache"))),
+        data=DataConfig(datasets=(DatasetConfig(path=str(root / "docs.jsonl")),), seq_len=24, batch_size=4,
+                        micro_batch_size=2, eval_batch_size=4, eval_fraction=0.15, cache_dir=str(root / "data")),
+        loss=LossConfig(**member["loss"]),
+        optim=OptimConfig(**member["optim"]),
+        train=TrainConfig(max_steps=6, eval_every=2, device="cpu", threads=1),
+        logger=LoggerConfig(progress_bar=False),
+        checkpoint=CheckpointConfig(save_every=3, export_adapter=True, export_merged=merged),
+    )
+
+
+def assert_same_run(packed: Path, alone: Path, tol: float = 1e-5, status: str = "completed") -> None:
+    """The same status, objective and metrics rows within ``tol``, and (completed) the same exported adapter."""
+    a, b = read_run(packed), read_run(alone)
+    assert a["status"] == b["status"] == status
+    assert a["objective"] == pytest.approx(b["objective"], abs=tol)
+    rows_a, rows_b = read_metrics(packed), read_metrics(alone)
+    assert [(r["kind"], r["step"]) for r in rows_a] == [(r["kind"], r["step"]) for r in rows_b]
+    for ra, rb in zip(rows_a, rows_b):
+        for k in TRAIN_FIELDS if ra["kind"] == "train" else EVAL_FIELDS:
+            assert ra[k] == pytest.approx(rb[k], abs=tol, nan_ok=True), (ra["kind"], ra["step"], k)
+    if status != "completed":
+        return
+    from safetensors.torch import load_file
+
+    wa, wb = (load_file(d / "final" / "adapter" / "adapter_model.safetensors") for d in (packed, alone))
+    assert wa.keys() == wb.keys() and wa
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("logits", ["live", "cache"])
+def test_each_member_of_a_pack_is_the_trial_run_alone(root, logits):
+    """Four members (ranks 4/8/16/8, two learning rates and schedules, kd_ratio 0/0.5/1, forward KL and JSD at three
+    temperatures, clipping on and off) trained as one pack give the rows, objective and adapter of each trial alone;
+    member 0 also exports its merged student (a copy: the base the others share is left as it was)."""
+    from kdsweep.pack import run_pack
+    from kdsweep.train import run
+
+    packed = [config(root, f"{logits}-pack-{i}", m, logits, merged=i == 0) for i, m in enumerate(MEMBERS)]
+    results = run_pack(packed)
+    assert [r.status for r in results] == ["completed"] * len(MEMBERS)
+    for i, m in enumerate(MEMBERS):
+        solo = config(root, f"{logits}-alone-{i}", m, logits, merged=i == 0)
+        run(solo)
+        assert_same_run(Path(packed[i].output_dir), Path(solo.output_dir))
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    exported = Path(packed[2].output_dir) / "final" / "adapter"
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(root / "student"), exported)
+    assert model.peft_config["default"].r == 16
+    merged = AutoModelForCausalLM.from_pretrained(Path(packed[0].output_dir) / "final" / "merged")
+    assert merged.config.vocab_size == model.config.vocab_size
+
+
+def test_a_pack_runs_the_teacher_once_per_micro_batch(root):
+    """The live teacher computes each training micro-batch's targets once for every member that reads them: the first
+    member's source counts them, the others count only their own evaluations' (each member evaluates itself)."""
+    from kdsweep.pack import run_pack
+    from kdsweep.train import run
+
+    members = [config(root, f"count-pack-{i}", m) for i, m in enumerate(MEMBERS[1:])]
+    run_pack(members)
+    solo = config(root, "count-alone", MEMBERS[1])
+    run(solo)
+    costs = [read_run(Path(c.output_dir))["cost"] for c in [solo, *members]]
+    computed = [c["teacher_tokens_computed"] for c in costs]
+    positions = solo.train.max_steps * solo.data.batch_size * solo.data.seq_len  # packed rows: no padding
+    assert computed[1] == computed[0] and computed[2:] == [computed[0] - positions] * 2
+    # each member's device-seconds are its share of the job's: together the job's wall, each a third of it
+    shares = [c["device_seconds"] for c in costs[1:]]
+    assert shares == pytest.approx([costs[1]["trial_seconds"] / 3] * 3, rel=0.02)
+
+
+class PruneAt:
+    """A reporter that prunes its trial at its first evaluation at or after ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def report(self, step: int, evals: dict) -> bool:
+        return step >= self.step
+
+
+def test_members_that_are_pruned_or_turn_nan_leave_and_the_others_are_unchanged(root):
+    """A member pruned at its first evaluation and one whose loss turns non-finite leave the pack (pruned; failed with
+    the reason in its run.json); the other two train on, equal to each trial alone, and the pruned one's rows are its
+    solo run's."""
+    from kdsweep.pack import run_pack
+    from kdsweep.train import run
+
+    nan = dict(MEMBERS[2], optim=dict(lr=float("inf"), max_grad_norm=0.0))
+    members = [MEMBERS[1], MEMBERS[2], nan, MEMBERS[3]]
+    cfgs = [config(root, f"leave-pack-{i}", m) for i, m in enumerate(members)]
+    reporters = [PruneAt(10**9), PruneAt(2), PruneAt(10**9), PruneAt(10**9)]
+    results = run_pack(cfgs, reporters=reporters)
+    assert [getattr(r, "status", None) for r in results] == ["completed", "pruned", None, "completed"]
+    failed = read_run(Path(cfgs[2].output_dir))
+    assert failed["status"] == "failed" and "not finite" in failed["error"]
+    assert isinstance(results[2], FloatingPointError)
+    assert read_run(Path(cfgs[1].output_dir))["steps"] == 2
+    for i in (0, 1, 3):
+        solo = config(root, f"leave-alone-{i}", members[i])
+        run(solo, reporter=reporters[i])
+        assert_same_run(Path(cfgs[i].output_dir), Path(solo.output_dir), status="pruned" if i == 1 else "completed")
+
+
+@pytest.mark.parametrize("change, hint", [
+    (dict(train=dict(seed=1)), "train.seed=1"),
+    (dict(data=dict(batch_size=8)), "data.batch_size=8"),
+    (dict(model=dict(lora_rank=0)), "model.lora_rank=0"),
+    (dict(loss=dict(impl="chunked")), "loss.impl='chunked'"),
+])
+def test_what_cannot_be_packed_is_one_line_before_anything_runs(root, change, hint):
+    from kdsweep.pack import run_pack
+
+    cfgs = [config(root, f"bad-{i}", m) for i, m in enumerate(MEMBERS[:2])]
+    section, values = next(iter(change.items()))
+    cfgs[1] = replace(cfgs[1], **{section: replace(getattr(cfgs[1], section), **values)})
+    with pytest.raises(ValueError) as e:
+        run_pack(cfgs)
+    assert hint in str(e.value) and "\n" not in str(e.value)
+    assert not (root / "runs" / "bad-0").exists()  # refused before any member started
+
+
+def test_a_grid_packed_from_the_command_line_is_the_grid_run_job_by_job(tmp_path):
+    """``-m kd_ratio=0,0.5 hydra/launcher=kdsweep_pack`` trains the grid as one pack on the embedded default:
+    every job's directory, run.json and objective as Hydra's basic launcher gives them, job by job."""
+    from conftest import QUIET, kdsweep
+
+    grid = ["-m", "kd_ratio=0,0.5", "lr=3e-3", "lora_rank=4", "train.max_steps=3", "train.eval_every=2",
+            "checkpoint.save_every=0", "checkpoint.export_merged=false", *QUIET]
+    packed = kdsweep(*grid, f"hydra.sweep.dir={tmp_path / 'packed'}", "hydra/launcher=kdsweep_pack", cwd=tmp_path)
+    kdsweep(*grid, f"hydra.sweep.dir={tmp_path / 'basic'}", cwd=tmp_path)
+    assert packed.stdout.count("pack member") == 2 and "sweep " in packed.stdout
+    for job in range(2):
+        a, b = read_run(tmp_path / "packed" / str(job)), read_run(tmp_path / "basic" / str(job))
+        assert a["overrides"] == b["overrides"] and a["status"] == "completed"
+        assert a["objective"] == pytest.approx(b["objective"], abs=1e-5)
+        assert sorted(p.name for p in (tmp_path / "packed" / str(job)).iterdir()) == \
+            sorted(p.name for p in (tmp_path / "basic" / str(job)).iterdir())  # the same files, job by job
+        assert (tmp_path / "packed" / str(job) / "final" / "adapter" / "adapter_model.safetensors").exists()
+
+
+def test_a_packed_grid_over_a_shared_knob_is_one_line_before_any_job(tmp_path):
+    from conftest import QUIET, kdsweep
+
+    proc = kdsweep("-m", "train.seed=0,1", "train.max_steps=2", f"hydra.sweep.dir={tmp_path / 's'}",
+                   "hydra/launcher=kdsweep_pack", *QUIET, cwd=tmp_path, check=False)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines == [lines[-1]] and lines[-1].startswith("kdsweep: error: hydra/launcher=kdsweep_pack: ")
+    assert "train.seed=1" in lines[-1] and not (tmp_path / "s" / "0").exists()
