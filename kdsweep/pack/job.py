@@ -113,7 +113,8 @@ def together(runs: Sequence[RunSteps], dist: DistEnv,
     behind (all of them, unless some resumed from later checkpoints), on the micro-batches the first of them asked
     for, every member sent its own stats. A member that ends or raises leaves (its error is its result: its run has
     recorded it), and so does one whose loss is not finite (its run records a FloatingPointError); ``left()`` is
-    called as each leaves. An error of the shared step is thrown into every member it stepped, then raised."""
+    called as each leaves. An error of the pack's own (its shared step, an interrupt) is thrown into every member
+    still in it (each run records it), then raised."""
     results: list[RunResult | BaseException | None] = [None] * len(runs)
     asks: dict[int, StepAsk] = {}
 
@@ -132,29 +133,29 @@ def together(runs: Sequence[RunSteps], dist: DistEnv,
 
     for i, steps in enumerate(runs):
         advance(i, lambda steps=steps: next(steps))
-    while asks:
-        behind = min(a.step for a in asks.values())
-        now = [i for i, a in asks.items() if a.step == behind]
-        lead = asks[now[0]]
-        for i in now[1:]:
-            if not all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(asks[i].micro, lead.micro)):
-                raise RuntimeError(f"pack members {now[0]} and {i} read different micro-batches at step {behind + 1}: "
-                                   "their data settings differ (check_pack refuses that)")
-        try:
+    try:
+        while asks:
+            behind = min(a.step for a in asks.values())
+            now = [i for i, a in asks.items() if a.step == behind]
+            lead = asks[now[0]]
+            for i in now[1:]:
+                if not all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(asks[i].micro, lead.micro)):
+                    raise RuntimeError(f"pack members {now[0]} and {i} read different micro-batches at step "
+                                       f"{behind + 1}: their data settings differ (check_pack refuses that)")
             stats = train_step([asks[i].learner for i in now], lead.micro, dist=dist, compute=lead.compute)
-        except BaseException as e:
-            for i in now:
-                try:
-                    runs[i].throw(e)
-                except BaseException:  # noqa: BLE001 - each member's run records the step's error as its own
-                    pass
-            raise
-        for i, s in zip(now, stats):
-            if math.isfinite(s.loss):
-                advance(i, lambda i=i, s=s: runs[i].send(s))
-            else:  # it leaves: the others no longer pay for its steps
-                advance(i, lambda i=i, s=s: runs[i].throw(FloatingPointError(
-                    f"the loss is not finite at step {behind + 1} ({s.loss}): the member leaves the pack")))
+            for i, s in zip(now, stats):
+                if math.isfinite(s.loss):
+                    advance(i, lambda i=i, s=s: runs[i].send(s))
+                else:  # it leaves: the others no longer pay for its steps
+                    advance(i, lambda i=i, s=s: runs[i].throw(FloatingPointError(
+                        f"the loss is not finite at step {behind + 1} ({s.loss}): the member leaves the pack")))
+    except BaseException as e:  # the pack's own (its step, an interrupt): every member still in it records it
+        for i in list(asks):
+            try:
+                runs[i].throw(e)
+            except BaseException:  # noqa: BLE001 - raised again below, once
+                pass
+        raise
     return results  # type: ignore[return-value]
 
 

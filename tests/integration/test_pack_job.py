@@ -208,3 +208,69 @@ def test_a_packed_grid_over_a_shared_knob_is_one_line_before_any_job(tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert lines == [lines[-1]] and lines[-1].startswith("kdsweep: error: hydra/launcher=kdsweep_pack: ")
     assert "train.seed=1" in lines[-1] and not (tmp_path / "s" / "0").exists()
+
+
+def test_an_error_of_the_pack_step_is_recorded_by_every_member(root, monkeypatch):
+    """The shared step failing (here: injected into its third call) is every member's error: each run.json says
+    failed with it, and run_pack raises it."""
+    import kdsweep.pack.job as job
+    from kdsweep.pack import run_pack
+
+    real, calls = job.train_step, []
+
+    def failing(*args, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("the pack's step failed (injected)")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(job, "train_step", failing)
+    cfgs = [config(root, f"boom-{i}", m) for i, m in enumerate(MEMBERS[1:3])]
+    with pytest.raises(RuntimeError, match="injected"):
+        run_pack(cfgs)
+    for cfg in cfgs:
+        record = read_run(Path(cfg.output_dir))
+        assert record["status"] == "failed" and "injected" in record["error"]
+
+
+KILLED = """
+import os, signal, sys
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+import torch
+import kdsweep.pack.job as job
+from test_pack_job import MEMBERS, config
+real, calls = job.train_step, []
+def dying(*args, **kw):
+    calls.append(1)
+    if len(calls) == 5:  # after step 4: the members' checkpoints of step 3 are written
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(*args, **kw)
+job.train_step = dying
+torch.set_num_threads(1)
+job.run_pack([config(Path({root!r}), f"killed-{{i}}", m) for i, m in enumerate(MEMBERS[1:])])
+"""
+
+
+def test_a_pack_killed_mid_run_resumes_every_member_from_its_checkpoint(root):
+    """kill -9 of a pack after step 4 (checkpoints at step 3), then the same pack again: every member resumes from
+    its checkpoint and ends with the rows and objective of the trial run alone, no row twice."""
+    import subprocess
+    import sys
+
+    from kdsweep.pack import run_pack
+    from kdsweep.train import run
+
+    script = KILLED.format(tests=str(Path(__file__).parent), root=str(root))
+    proc = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parent, capture_output=True, text=True,
+                          env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    cfgs = [config(root, f"killed-{i}", m) for i, m in enumerate(MEMBERS[1:])]
+    assert all(read_run(Path(c.output_dir))["status"] == "running" for c in cfgs)
+    results = run_pack(cfgs)
+    assert [r.status for r in results] == ["completed"] * 3
+    for i, m in enumerate(MEMBERS[1:]):
+        assert read_run(Path(cfgs[i].output_dir))["start_step"] == 3
+        solo = config(root, f"killed-alone-{i}", m)
+        run(solo)
+        assert_same_run(Path(cfgs[i].output_dir), Path(solo.output_dir))
