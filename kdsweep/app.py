@@ -330,7 +330,10 @@ def pack_jobs(members: list[tuple[RunConfig, dict[str, Any], list[str]]]) -> lis
             for handler in handlers:
                 logging.getLogger().removeHandler(handler)
                 handler.close()
-    watch.restore()
+    if any(getattr(r, "status", None) == "preempted" for r in results):
+        watch.handover(env.rank)  # under submitit, the job requeues and exits here (each member resumes)
+    else:
+        watch.restore()
     for cfg, result in zip(cfgs, results):
         said = (f"{type(result).__name__}: {result}" if isinstance(result, BaseException) else
                 f"held-out CE {result.eval_before.student_ce:.4f} -> {result.objective:.4f}, {result.status}")

@@ -311,6 +311,10 @@ class _TeacherHead:
     def prefetch(self, batches) -> None:  # nothing to read ahead
         pass
 
+    @property
+    def share_key(self) -> tuple:  # kdsweep.teacher.source.TeacherSource's: learners of one head share its targets
+        return "head", id(self.head), self.fused
+
     @contextmanager
     def targets(self, batch) -> Iterator[Any]:
         from kdsweep.losses.targets import Logits

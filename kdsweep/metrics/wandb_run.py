@@ -79,7 +79,8 @@ class WandbSink:
         teachers = [f"teacher:{_model_name(view.teacher)}" for _, view in cfg.teacher_views()]
         tags = [*w.tags, *teachers, f"student:{_model_name(cfg.model)}"]
         init = dict(project=w.project, entity=w.entity, group=group, name=name, id=run_id, resume="allow", tags=tags,
-                    config=config, dir=str(out), settings=wandb.Settings(console="off", silent=True))
+                    config=config, dir=str(out), settings=wandb.Settings(console="off", silent=True),
+                    reinit="create_new")  # a pack's members: each its own run in one process, finished on its own
         try:
             self.run = wandb.init(mode=mode, **init)
         except Exception as e:  # noqa: BLE001 - wandb's errors vary (auth, server, network)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from pathlib import Path
 from dataclasses import fields, is_dataclass, replace
 from typing import Any, Callable, Sequence
 
@@ -77,7 +78,7 @@ def check_pack(cfgs: Sequence[RunConfig], world_size: int = 1) -> None:
                 raise ValueError(f"pack member {i} sets {path}={value!r} and member 0 {path}={first[path]!r}: a "
                                  f"pack's members share it (each sets only its own {', '.join(KNOBS)}); set it the "
                                  "same for every member, or train them unpacked")
-    dirs = [cfg.output_dir for cfg in cfgs]
+    dirs = [str(Path(cfg.output_dir).resolve()) for cfg in cfgs]
     if len(set(dirs)) != len(dirs):
         same = next(d for d in dirs if dirs.count(d) > 1)
         raise ValueError(f"two pack members write to output_dir={same}: give each member its own")
@@ -129,11 +130,11 @@ def together(runs: Sequence[RunSteps], dist: DistEnv,
             asks.pop(i, None)
             results[i] = e
             left()
-            log.error("pack member %d failed: %s: %s", i, type(e).__name__, e)
+            log.error("pack member %d failed: %s: %s", i, type(e).__name__, e, exc_info=e)
 
-    for i, steps in enumerate(runs):
-        advance(i, lambda steps=steps: next(steps))
     try:
+        for i, steps in enumerate(runs):  # each member's start (its sources, student, baseline), in turn
+            advance(i, lambda steps=steps: next(steps))
         while asks:
             behind = min(a.step for a in asks.values())
             now = [i for i, a in asks.items() if a.step == behind]
@@ -182,8 +183,13 @@ def run_pack(
     log.info("pack of %d: %s", n, "; ".join(
         f"{cfg.output_dir} (kd_ratio {cfg.loss.kd_ratio:g}, lr {cfg.optim.lr:g}, rank {cfg.model.lora_rank})"
         for cfg in cfgs))
-    cfgs = [cfg if i == 0 else replace(cfg, logger=replace(cfg.logger, progress_bar=False))  # one bar: the pack's
-            for i, cfg in enumerate(cfgs)]
+    # one progress bar and one profiler (torch profiles a thread once): the first member's
+    cfgs = [cfg if i == 0 else replace(cfg, logger=replace(cfg.logger, progress_bar=False),
+                                       profiler=replace(cfg.profiler, enabled=False)) for i, cfg in enumerate(cfgs)]
+    if cfgs[0].model.lora_dropout > 0:
+        log.warning("pack: model.lora_dropout=%g: the members draw their dropout masks in turn from one random "
+                    "stream, so each trains with other masks than it would alone (set it to 0 for members equal to "
+                    "their trials alone)", cfgs[0].model.lora_dropout)
     runs = [run_steps(cfg, reporter=r, preemption=preemption, dist=dist, resolved_config=rc, overrides=ov, kept=kept,
                       seat=seat) for cfg, r, rc, ov in zip(cfgs, reporters, resolved_configs, overrides)]
     return together(runs, dist, seat.leave)

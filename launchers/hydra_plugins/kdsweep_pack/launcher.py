@@ -48,8 +48,10 @@ class PackLauncher(Launcher):
             returns.append(run_job(hydra_context=self.hydra_context, task_function=pack_member, config=sweep_config,
                                    job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir"))
         members = [r.return_value for r in returns]  # a member that could not be composed raises here
-        for ret, result in zip(returns, pack_jobs(members)):
-            ret.status = JobStatus.FAILED if isinstance(result, BaseException) else JobStatus.COMPLETED
-            ret.return_value = result
+        results = pack_jobs(members)
+        for ret, result in zip(returns, results):
+            ret.status, ret.return_value = JobStatus.COMPLETED, result
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
+        if any(isinstance(r, BaseException) for r in results):
+            raise SystemExit(1)  # as a failed job of a grid leaves (its line is printed, its run.json says why)
         return returns
