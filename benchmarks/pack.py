@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -83,19 +84,12 @@ def arm_run(arm: str, common: list[str], out: Path) -> None:
     teacher_s: dict[int, list[float]] = {}
     timed = LiveTeacher.targets
 
+    @contextmanager
     def timing(self, batch):  # the teacher's forward on a micro-batch, by its rows
         t0 = time.perf_counter()
-        ctx = timed(self, batch)
-        targets = ctx.__enter__()
-        teacher_s.setdefault(batch.input_ids.shape[0], []).append(time.perf_counter() - t0)
-
-        class Held:
-            def __enter__(self):
-                return targets
-
-            def __exit__(self, *exc):
-                return ctx.__exit__(*exc)
-        return Held()
+        with timed(self, batch) as targets:
+            teacher_s.setdefault(batch.input_ids.shape[0], []).append(time.perf_counter() - t0)
+            yield targets
 
     LiveTeacher.targets = timing
     cfgs = configs([[*common, f"kd_ratio={r}", f"lr={lr}"] for r, lr in POINTS], out)

@@ -206,16 +206,11 @@ def _launch(run_cfg: RunConfig, raw: dict[str, Any], overrides: list[str]) -> di
     from kdsweep.distributed import detect, device_for
     from kdsweep.distributed.launch import check_local_launch, check_master_resolves, spawn
 
-    from kdsweep.train import check_resumable, prepare_data
-
-    from kdsweep.evaluation import downstream
-    from kdsweep.models.check import preflight_targets
+    from kdsweep.train import prepare_data
 
     env = detect()
     spawn_local = env.world_size == 1 and run_cfg.dist.nproc_per_node > 1
-    check_resumable(run_cfg)  # here too, so that spawned ranks never start on someone else's checkpoints
-    preflight_targets(run_cfg, zoo_too=True)  # a LoRA target that selects nothing: one line, not a rank's traceback
-    downstream.check(run_cfg.downstream)  # lm-eval and its tasks, before training rather than after it
+    _check_before_training(run_cfg)
     if spawn_local:
         check_local_launch(run_cfg.dist, device_for(run_cfg.train.device, env))
     elif env.world_size > 1:
@@ -227,13 +222,28 @@ def _launch(run_cfg: RunConfig, raw: dict[str, Any], overrides: list[str]) -> di
     return run_rank(run_cfg, raw, overrides)
 
 
-def _group_grid_runs(raw: dict[str, Any], hc: Any) -> None:
-    """The jobs of a Hydra grid (``-m a=1,2``, not a kdsweep sweep) share a W&B group: their sweep directory."""
+def _check_before_training(run_cfg: RunConfig) -> None:
+    """What a job checks before any of its ranks (or a pack's members) starts."""
+    from kdsweep.evaluation import downstream
+    from kdsweep.models.check import preflight_targets
+    from kdsweep.train import check_resumable
+
+    check_resumable(run_cfg)  # here too, so that spawned ranks never start on someone else's checkpoints
+    preflight_targets(run_cfg, zoo_too=True)  # a LoRA target that selects nothing: one line, not a rank's traceback
+    downstream.check(run_cfg.downstream)  # lm-eval and its tasks, before training rather than after it
+
+
+def _job_config(cfg: DictConfig, hc: Any) -> dict[str, Any]:
+    """The job's resolved config, its ``output_dir`` Hydra's; the jobs of a Hydra grid (``-m a=1,2``, not a kdsweep
+    sweep) share a W&B group: their sweep directory."""
     from hydra.types import RunMode
 
+    raw = resolve(cfg)
+    raw["output_dir"] = hc.runtime.output_dir
     wandb = raw.get("logger", {}).get("wandb", {})
     if hc.mode == RunMode.MULTIRUN and wandb.get("group") is None and not raw.get("trial", {}).get("sweep_dir"):
         wandb["group"] = str(hc.sweep.dir)
+    return raw
 
 
 def task(cfg: DictConfig) -> float:
@@ -254,9 +264,7 @@ def job(cfg: DictConfig) -> float:
     output_dir = hc.runtime.output_dir
     overrides = list(hc.overrides.task)
     try:
-        raw = resolve(cfg)
-        raw["output_dir"] = output_dir
-        _group_grid_runs(raw, hc)
+        raw = _job_config(cfg, hc)
         summary = _launch(validate(raw), raw, overrides)
     except ConfigError as e:
         fail(str(e), output_dir)
@@ -286,22 +294,13 @@ def pack_member(cfg: DictConfig) -> tuple[RunConfig, dict[str, Any], list[str]]:
     ``hydra/launcher=kdsweep_pack`` trains them together (:func:`pack_jobs`)."""
     from hydra.core.hydra_config import HydraConfig
 
-    from kdsweep.evaluation import downstream
-    from kdsweep.models.check import preflight_targets
-    from kdsweep.train import check_resumable
-
     hc = HydraConfig.get()
-    output_dir = hc.runtime.output_dir
     try:
-        raw = resolve(cfg)
-        raw["output_dir"] = output_dir
-        _group_grid_runs(raw, hc)
+        raw = _job_config(cfg, hc)
         run_cfg = validate(raw)
-        check_resumable(run_cfg)
-        preflight_targets(run_cfg, zoo_too=True)
-        downstream.check(run_cfg.downstream)
+        _check_before_training(run_cfg)
     except ConfigError as e:
-        fail(str(e), output_dir)
+        fail(str(e), hc.runtime.output_dir)
     return run_cfg, raw, list(hc.overrides.task)
 
 
@@ -314,9 +313,8 @@ def pack_jobs(members: list[tuple[RunConfig, dict[str, Any], list[str]]]) -> lis
     from kdsweep.pack import check_pack, run_pack
 
     cfgs = [cfg for cfg, _, _ in members]
-    ranks = max(detect().world_size, *(cfg.dist.nproc_per_node for cfg in cfgs))
     try:
-        check_pack(cfgs, ranks)
+        check_pack(cfgs, detect().world_size)
     except ValueError as e:
         fail(str(e), None)
     os.environ[JOB_STARTED] = str(process_started())

@@ -69,7 +69,7 @@ class ValidateGrid(Callback):
             from kdsweep.pack import check_pack
 
             try:  # the grid trains as one pack (hydra/launcher=kdsweep_pack): its points must agree
-                check_pack(points, max(p.dist.nproc_per_node for p in points))
+                check_pack(points)
             except ValueError as e:
                 fail(f"hydra/launcher=kdsweep_pack: {e}", None)
 

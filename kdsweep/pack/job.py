@@ -18,8 +18,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from pathlib import Path
 from dataclasses import fields, is_dataclass, replace
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -57,9 +57,11 @@ def _own(path: str) -> bool:
 
 def check_pack(cfgs: Sequence[RunConfig], world_size: int = 1) -> None:
     """One line (a ValueError) for a pack that cannot train together: members that differ in a knob the pack
-    shares, a full fine-tune, on-policy or sequence-level KD, two members in one output directory, several ranks."""
+    shares, a full fine-tune, on-policy or sequence-level KD, two members in one output directory, several ranks
+    (``world_size``: the process's; ``dist.nproc_per_node``: the ranks it would spawn)."""
     if not cfgs:
         raise ValueError("a pack needs at least one member")
+    world_size = max(world_size, *(cfg.dist.nproc_per_node for cfg in cfgs))
     if world_size > 1:
         raise ValueError(f"a pack trains on one rank for now, not {world_size}: run it with one process, or run the "
                          "trials unpacked")

@@ -34,15 +34,13 @@ def sharing_copy(model: nn.Module) -> nn.Module:
 class OverOneBase:
     """A pack's students (:class:`~kdsweep.pack.job.Member` seats them): each member's student wrapped over one frozen
     base, read on the first member's load and shared by the rest (:func:`sharing_copy`). A member's export merges a
-    copy of it, never the shared base."""
+    copy of it, never the shared base. Its members have LoRA ranks: :func:`~kdsweep.pack.job.check_pack` refuses
+    ``lora_rank=0`` before any member loads."""
 
     def __init__(self) -> None:
         self.base: nn.Module | None = None
 
     def load(self, cfg: RunConfig, src: Any, device: torch.device, dist: DistEnv) -> nn.Module:
-        if cfg.model.lora_rank == 0:
-            raise ValueError("a pack's members share the student's frozen base: model.lora_rank=0 trains the base; "
-                             "give the member a LoRA rank, or run it unpacked")
         if self.base is None:
             self.base = read_model(src.student_dir, Precision(cfg.train.dtype).student_dtype(False))
         return member(self.base, cfg.model, cfg.train.dtype, device, cfg.train.seed, cfg.dist)

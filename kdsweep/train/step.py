@@ -127,8 +127,7 @@ def train_step(
     steps run outside it. The micro-batches are the outer loop: each one's targets are made once per teacher source
     (sources with the same ``share_key`` are one), held while every learner that reads them runs its forward and
     backward, and let go before the next micro-batch's (so a step holds one micro-batch's targets, however many
-    learners it trains). A learner's arithmetic is the same
-    as alone: nothing it computes depends on the others."""
+    learners it trains). A learner's arithmetic is the same as alone: nothing it computes depends on the others."""
     ignores = sorted({learner.loss_cfg.ignore_index for learner in learners})
     if len(ignores) != 1:
         raise ValueError(f"learners of one step count the same tokens: loss.ignore_index differs ({ignores})")
