@@ -289,56 +289,6 @@ def job(cfg: DictConfig) -> float:
     return summary["objective"]
 
 
-def pack_member(cfg: DictConfig) -> tuple[RunConfig, dict[str, Any], list[str]]:
-    """A packed grid's job, composed and validated as :func:`job` would (its one line for bad input), not run:
-    ``hydra/launcher=kdsweep_pack`` trains them together (:func:`pack_jobs`)."""
-    from hydra.core.hydra_config import HydraConfig
-
-    hc = HydraConfig.get()
-    try:
-        raw = _job_config(cfg, hc)
-        run_cfg = validate(raw)
-        _check_before_training(run_cfg)
-    except ConfigError as e:
-        fail(str(e), hc.runtime.output_dir)
-    return run_cfg, raw, list(hc.overrides.task)
-
-
-def pack_jobs(members: list[tuple[RunConfig, dict[str, Any], list[str]]]) -> list[Any]:
-    """Train a grid's jobs (:func:`pack_member`'s) as one pack in this process (:func:`kdsweep.pack.run_pack`): each
-    job's objective, or the error it failed with. What cannot be packed is one line before anything trains."""
-    from kdsweep.distributed import detect
-    from kdsweep.distributed.signals import PreemptionWatch
-    from kdsweep.metrics.records import JOB_STARTED, process_started
-    from kdsweep.pack import check_pack, run_pack
-
-    cfgs = [cfg for cfg, _, _ in members]
-    try:
-        check_pack(cfgs, detect().world_size)
-    except ValueError as e:
-        fail(str(e), None)
-    os.environ[JOB_STARTED] = str(process_started())
-    watch = PreemptionWatch()
-    with SESSION.joined(cfgs[0]) as env:
-        handlers = [_setup_rank_logging(cfg.output_dir, env.rank) for cfg in cfgs]  # each job's log: the pack's
-        try:
-            results = run_pack(cfgs, dist=env, preemption=watch, resolved_configs=[raw for _, raw, _ in members],
-                               overrides=[o for _, _, o in members], kept=SESSION.kept())  # the pack's own
-        finally:
-            for handler in handlers:
-                logging.getLogger().removeHandler(handler)
-                handler.close()
-    if any(getattr(r, "status", None) == "preempted" for r in results):
-        watch.handover(env.rank)  # under submitit, the job requeues and exits here (each member resumes)
-    else:
-        watch.restore()
-    for cfg, result in zip(cfgs, results):
-        said = (f"{type(result).__name__}: {result}" if isinstance(result, BaseException) else
-                f"held-out CE {result.eval_before.student_ce:.4f} -> {result.objective:.4f}, {result.status}")
-        print(f"pack member {cfg.output_dir}: {said}", flush=True)
-    return [r if isinstance(r, BaseException) else r.objective for r in results]
-
-
 _hydra_main = hydra.main(version_base=None, config_path=conf_dir(), config_name="config")(task)
 _trial_main = hydra.main(version_base=None, config_path=conf_dir(), config_name="config")(job)
 
@@ -348,6 +298,10 @@ def trial_in_process(args: list[str]) -> None:
     trial (composed, validated and recorded exactly as a job's; SystemExit as a job would exit)."""
     from hydra.core.global_hydra import GlobalHydra
 
+    if args[:1] == ["--pack"]:  # a sweep's packed job (hydra.sweeper.pack)
+        from kdsweep.pack.jobs import packed_trials
+
+        return packed_trials(args[1])
     GlobalHydra.instance().clear()  # the last trial's Hydra; each trial composes its own config
     sys.argv = ["kdsweep", *args]
     _check_command_line(args)
@@ -408,6 +362,10 @@ def _check_source_override(key: str, preset: str) -> None:
 
 
 def main() -> None:
-    """Entry point of ``python -m kdsweep`` and the ``kdsweep`` script."""
+    """Entry point of ``python -m kdsweep`` and the ``kdsweep`` script (``--pack DIR``: a sweep's packed job)."""
+    if sys.argv[1:2] == ["--pack"]:
+        from kdsweep.pack.jobs import packed_trials
+
+        return packed_trials(sys.argv[2])
     _check_command_line(sys.argv[1:])
     _hydra_main()

@@ -222,9 +222,11 @@ class Worker:
                 out.close()
             torch.set_num_threads(threads)
             os.environ.pop(SHARED_THREADS, None)
-        record = read_json(run_dir / "run.json") or {}
-        if record.get("status") == "preempted":  # checkpointed at the scheduler's signal: this worker is going
-            self.leave = True
+        from kdsweep.pack.jobs import SPEC, member_dirs
+
+        runs = member_dirs(run_dir) if (run_dir / SPEC).exists() else [run_dir]  # a packed job: its members'
+        if any((read_json(d / "run.json") or {}).get("status") == "preempted" for d in runs):
+            self.leave = True  # checkpointed at the scheduler's signal: this worker is going
         return code
 
 

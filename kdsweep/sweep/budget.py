@@ -24,7 +24,8 @@ The controller asks for a search trial while what is spent, plus what the runnin
 confirmation's reserve (:meth:`Budget.allows`) leaves part of the budget; a confirmation trial while what is spent
 and what the running confirmation trials will still spend (a mean trial each, as reserved) leaves part of it
 (:meth:`Budget.allows_reserved`). So whatever the mix
-of pruned, promoted and failed trials, the sweep spends at most its budget and one full trial, and a search stopped
+of pruned, promoted and failed trials, the sweep spends at most its budget and one full trial (a full pack, where
+``hydra.sweeper.pack`` packs them: each member is asked as a trial, priced at a member's share), and a search stopped
 by it leaves only the confirmation's reserve. The wall-clock limit starts no trial that would end after it (a trial
 takes the finished trials' median wall seconds). A resumed sweep continues both: the records are on disk, and the
 controllers' wall time is kept in the manifest (``wall_s``).
@@ -184,8 +185,8 @@ class Budget:
     """What a sweep may spend and has spent; ``device_s`` / ``wall_s`` None: no limit of that kind."""
 
     def __init__(self, manifest: Manifest, device_hours: float | None, wall_hours: float | None,
-                 trial_hours: float | None = None, cached: bool = False) -> None:
-        self.manifest = manifest
+                 trial_hours: float | None = None, cached: bool = False, pack: int = 1) -> None:
+        self.manifest, self.pack = manifest, pack  # trials per job (hydra.sweeper.pack): a probe is a pack
         self.apart = cached  # the search reads the teacher cache: a confirmation seed (live) is priced apart
         self.estimate = None if trial_hours is None else trial_hours * 3600.0  # a trial's device-s, until one ends
         self.device_s = None if device_hours is None else device_hours * 3600.0
@@ -210,14 +211,16 @@ class Budget:
     def trial_spent(self, entry: dict[str, Any], now: float) -> float:
         """A trial's device-seconds: as recorded; for one still running, at least its time since it started (a SLURM
         job's wait in the queue included, until its record says); for one that ended without a record (it failed
-        before writing one), its time from start to end."""
+        before writing one), its time from start to end; a packed job's member, its share of these (the job's
+        seconds over its members)."""
         cost, ranks = _cost(entry)
         recorded = float(cost.get("device_seconds", 0.0))
         if not entry.get("started"):
             return recorded
+        share = ranks / len(entry["pack"]["members"]) if entry.get("pack") else ranks  # a member: its share of the job
         if entry.get("state") not in FINAL:
-            return max(recorded, (now - entry["started"]) * ranks)
-        return recorded or max(entry.get("ended", now) - entry["started"], 0.0) * ranks
+            return max(recorded, (now - entry["started"]) * share)
+        return recorded or max(entry.get("ended", now) - entry["started"], 0.0) * share
 
     def device_spent(self, now: float | None = None) -> float:
         """Device-seconds spent by ``now``: every trial's and the workers' idle time."""
@@ -322,15 +325,20 @@ class Budget:
             return True
         running = [e for e in self.manifest.trials.values() if e.get("state") not in FINAL]
         full, mean = self._trial_costs()
-        if full is None:  # nothing is known of a trial's cost: one runs until its pace tells
-            return not running and self.device_spent() < self.device_s
+        if full is None:  # nothing is known of a trial's cost: one runs (one pack) until its pace tells
+            return self._probe(running) and self.device_spent() < self.device_s
         seed = (self.seed_trial() or mean) if seeds else mean  # unknown: priced as a search trial until the probe
         if self._spent_and_committed(full) + (reserve - seeds) * mean + seeds * seed < self.device_s:
             return True  # (a running trial may be promoted: each counts a full trial)
         # the estimate is only cold trials' (a worker's first pays what no later one does): one more trial, warm,
         # tells the next ones' cost; it may run past the budget by its own cost, as the last trial may
         finished = [e for e in self.manifest.trials.values() if e.get("state") in FINAL]
-        return not running and _cold_only(finished) and self.device_spent() < self.device_s
+        return self._probe(running) and _cold_only(finished) and self.device_spent() < self.device_s
+
+    def _probe(self, running: list[dict[str, Any]]) -> bool:
+        """Whether one more trial joins the one job that may run alone (a probe: its pace tells the next ones'
+        cost): nothing runs, or, where trials are packed, only the pack being asked, short of its size."""
+        return all(e.get("state") == "ASKED" for e in running) and len(running) < self.pack
 
     def allows_reserved(self, seed: bool = False) -> bool:
         """Whether a confirmation trial (``seed``: a confirmation seed's) may start: what is spent and what the running
@@ -344,7 +352,7 @@ class Budget:
         now = time.time()
         if seed and self.seed_trial() is None:
             running = [e for e in self.manifest.trials.values() if e.get("state") not in FINAL]
-            return not any(map(is_seed, running)) and self.device_spent(now) < self.device_s
+            return self._probe([e for e in running if is_seed(e)]) and self.device_spent(now) < self.device_s
         return self.device_spent(now) + self._reserved_committed(now) < self.device_s
 
     def _reserved_committed(self, now: float) -> float:

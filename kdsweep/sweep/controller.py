@@ -81,9 +81,11 @@ class Controller:
         )
         self.distributions = {p.key: p.distribution() for p in space}
         # a search on the teacher cache: its confirmation seeds (the live teacher) are priced apart
-        self.budget = Budget(self.manifest, settings.budget, settings.wall_hours, settings.trial_hours, teacher_cache)
+        self.budget = Budget(self.manifest, settings.budget, settings.wall_hours, settings.trial_hours, teacher_cache,
+                             settings.pack_size)
         self._wall_saved = 0.0
         self.confirm = settings.confirmation
+        self.pack = settings.pack_size  # trials per job (hydra.sweeper.pack)
         self.start_failures = 0
         # teacher.logits=cache: one trial builds the cache (or finds it) before the others start (see _slots)
         self.cache_ready, self._gate_logged = not teacher_cache, False
@@ -203,10 +205,54 @@ class Controller:
                 f"trial.sweep_dir={self.sweep_dir}", f"trial.number={number}",
                 f"trial.study={self.settings.study_name}", f"hydra.run.dir={run_dir}"]
 
+    def _start_all(self, numbers: list[int]) -> None:
+        """Start asked trials: one job, or (``hydra.sweeper.pack``, more than one) one packed job for all."""
+        if len(numbers) == 1:
+            self._start(numbers[0])
+        elif numbers:
+            self._start_pack(numbers)
+
+    def _start_pack(self, numbers: list[int]) -> None:
+        """Start trials as one packed job (``python -m kdsweep --pack DIR``, DIR/pack.json: each member's arguments):
+        every member's manifest entry says its pack, and the pack's job is each member's job."""
+        from kdsweep.config.schema import ConfigError
+        from kdsweep.metrics.records import write_json_atomic
+        from kdsweep.pack.jobs import SPEC
+
+        pack_dir = self.sweep_dir / "packs" / str(numbers[0])
+        pack_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(pack_dir / SPEC, {"numbers": numbers,
+                                            "members": [self.manifest.trial(n)["args"] for n in numbers]})
+        pack = {"dir": str(pack_dir), "members": numbers}
+        for number in numbers:  # the intent first, as for one trial's job
+            entry = self.manifest.trial(number)
+            self.manifest.put(number, state="STARTING", job=None, attempts=entry.get("attempts", 0) + 1, pack=pack,
+                              started=entry.get("started") or time.time())
+        crash_point("before_launch", numbers[0], self._confirm_tag(self.manifest.trial(numbers[0])))
+        try:
+            job = self.backend.start(pack_args(pack_dir), pack_dir, alone=not self.cache_ready)
+        except ConfigError as e:  # the scheduler refused the pack's job: every member fails, the sweep goes on
+            self.start_failures += 1
+            for number in numbers:
+                self.manifest.put(number, job=None, attempts=self.manifest.trial(number)["attempts"] - 1)
+                self._record(number, Outcome("FAIL", reason=str(e)), exit_code=None)
+            if self.start_failures >= 3:
+                raise ConfigError(f"{self.start_failures} jobs in a row could not be submitted ({e}); fix it and "
+                                  f"run `kdsweep resume {self.sweep_dir}`") from None
+            return
+        crash_point("after_launch", numbers[0], self._confirm_tag(self.manifest.trial(numbers[0])))
+        self.start_failures = 0
+        for number in numbers:
+            self.manifest.put(number, state="RUNNING", job={**job, "pack": numbers[0]}, last_start=time.time())
+        crash_point("after_write", numbers[0], self._confirm_tag(self.manifest.trial(numbers[0])))
+        log.info("trials %s started as one pack (%s): %s", ", ".join(map(str, numbers)), job_name(job), "; ".join(
+            " ".join(f"{k}={v}" for k, v in self.manifest.trial(n)["params"].items()) for n in numbers))
+
     def _start(self, number: int) -> None:
         from kdsweep.config.schema import ConfigError
 
         entry = self.manifest.trial(number)
+        entry.pop("pack", None)  # a pack's member started again alone: its own job now
         attempts = entry.get("attempts", 0)
         # the intent first: a controller that dies from here on finds the trial STARTING, and looks for its job
         self.manifest.put(number, state="STARTING", job=None, attempts=attempts + 1,
@@ -246,14 +292,14 @@ class Controller:
                           state="ASKED", attempts=0, **({"confirm": item} if item else {}))
         self.study._storage.set_trial_user_attr(trial_id, "run_dir", str(run_dir))
 
-    def _ask_and_start(self, item: dict[str, Any] | None = None) -> None:
-        """Ask the sampler for a point; or, for a confirmation ``item``, ask the trial of its point and seed (put in
-        the study's queue first, unless a controller that died after queueing it left it there)."""
+    def _ask(self, item: dict[str, Any] | None = None) -> int:
+        """Ask the sampler for a point, or, for a confirmation ``item``, the trial of its point and seed (put in the
+        study's queue first, unless a controller that died after queueing it left it there); save it, ASKED, and
+        return its number."""
         if item is None:
             trial = self.study.ask(self.distributions)
             self._save_asked(trial.number, trial._trial_id, trial.params)
-            self._start(trial.number)
-            return
+            return trial.number
         waiting = self._confirmation_queue()
         if waiting:  # queued by a controller that died before asking it
             item = waiting[0].user_attrs["confirm"]
@@ -265,7 +311,26 @@ class Controller:
             self.study.enqueue_trial(held, user_attrs={"confirm": item})
         trial = self.study.ask({k: self.distributions[k] for k in held})
         self._save_asked(trial.number, trial._trial_id, point, item)
-        self._start(trial.number)
+        return trial.number
+
+    def _ask_some(self, most: int) -> list[int]:
+        """Ask up to ``most`` trials that may start now (the search's, else the confirmation's): one, or a pack's.
+        A pack's confirmation trials share their seed (the points and the baseline on the same batches: a paired
+        comparison), and a pack holds the search's trials or the confirmation's, never both."""
+        asked: list[int] = []
+        while len(asked) < most:
+            if self._search_may_ask():
+                asked.append(self._ask())
+                continue
+            if asked and not self.manifest.trial(asked[0]).get("confirm"):
+                break  # the search's last trials: the confirmation is planned once they have ended
+            item = self._confirmation_item()
+            if item is None or not self.budget.allows_reserved(seed=item["seed"] is not None):
+                break
+            if asked and item["seed"] != self.manifest.trial(asked[0])["confirm"]["seed"]:
+                break
+            asked.append(self._ask(item))
+        return asked
 
     def _confirmation_queue(self) -> list[Any]:
         """The study's WAITING confirmation trials, once the search's unasked points are closed: ``study.ask`` takes
@@ -300,16 +365,29 @@ class Controller:
         """The params of a confirmation item's point (the plan's)."""
         return confirm.point_params(self.manifest.data["confirmation"], item["label"])
 
-    def _finish(self, number: int, exit_code: int | str) -> None:
+    def _judge(self, number: int, exit_code: int | str) -> Outcome:
         entry = self.manifest.trial(number)
         outcome = judge(Path(entry["run_dir"]), exit_code, self.settings.objectives, entry["attempts"],
                         self.settings.retries, entry["job"].get("logs", []),
                         also=self._also(entry.get("confirm")))
         if outcome.state == "RETRY":
             log.warning("trial %d: %s", number, outcome.reason)
-            self._start(number)
+        else:
+            self._record(number, outcome, exit_code)
+        return outcome
+
+    def _finish(self, number: int, exit_code: int | str) -> None:
+        """A job has ended: its trials are judged (a pack's members each from its own record), and those that
+        were interrupted start again, from their checkpoints (a pack's as one pack again)."""
+        entry = self.manifest.trial(number)
+        if not entry.get("pack"):
+            if self._judge(number, exit_code).state == "RETRY":
+                self._start(number)
             return
-        self._record(number, outcome, exit_code)
+        members = [n for n in entry["pack"]["members"] if self.manifest.trial(n)["state"] == "RUNNING"
+                   and self.manifest.trial(n)["job"] == entry["job"]]
+        again = [n for n in members if self._judge(n, member_exit(self.manifest.trial(n), exit_code)).state == "RETRY"]
+        self._start_all(again)
 
     def _record(self, number: int, outcome: Outcome, exit_code: int | str | None) -> None:
         from optuna.trial import TrialState
@@ -330,12 +408,17 @@ class Controller:
         shown = f"{outcome.values}" if outcome.values else outcome.reason
         log.info("trial %d %s %s", number, outcome.state, shown)
 
+    def _jobs(self, running: list[int]) -> int:
+        """How many jobs these trials run in: a packed job's members count once."""
+        return len({(self.manifest.trial(n).get("pack") or {}).get("dir", n) for n in running})
+
     def _slots(self, running: list[int]) -> int:
-        """How many trials may run now: ``max_concurrent``, or one until a trial's teacher cache is ready, so that
-        exactly one teacher pass runs however many trials wait for it (the trial that builds it, or finds it built,
-        writes ``teacher_targets.ready`` into its run.json once the cache is in place). The others may start a
-        little before: when the build should end within the time a trial takes to start (the builder's own start-up,
-        measured), they start now and find the cache ready as they need it (the build holds its lock till then)."""
+        """How many jobs may run now: ``max_concurrent`` trials (in packs: ``max_concurrent // pack`` jobs), or one
+        job until a trial's teacher cache is ready, so that exactly one teacher pass runs however many trials wait
+        for it (the trial that builds it, or finds it built, writes ``teacher_targets.ready`` into its run.json once
+        the cache is in place). The others may start a little before: when the build should end within the time a
+        trial takes to start (the builder's own start-up, measured), they start now and find the cache ready as they
+        need it (the build holds its lock till then)."""
         if not self.cache_ready:
             for entry in self.manifest.trials.values():
                 record = Path(entry["run_dir"]) / "run.json"
@@ -350,31 +433,39 @@ class Controller:
                              "the other trials start now", entry["number"], targets["eta_s"])
                     break
         if self.cache_ready:
-            return self.settings.max_concurrent
+            return self.settings.jobs_at_once
         builder = [e["number"] for e in self.manifest.trials.values() if e["state"] == "RUNNING"]
         if builder and not self._gate_logged:
             self._gate_logged = True
             log.info("teacher cache: trial %d builds it (or finds it built); the other trials wait for it", builder[0])
-        return 1
+        return 1  # (a pack's members read the cache its first member builds)
 
     # -- the loop ------------------------------------------------------------------------------------------
     def _reconcile(self, number: int) -> None:
         """A trial the last controller was starting when it died: adopt its job if it was launched (alive, or
-        ended with a record), else start it; either way it runs once."""
+        ended with a record), else start it; either way it runs once. A pack's members are reconciled together."""
         entry = self.manifest.trial(number)
-        job = self.backend.find(entry["args"], Path(entry["run_dir"]))
+        pack = entry.get("pack")
+        numbers = [n for n in pack["members"] if self.manifest.trial(n)["state"] == "STARTING"] if pack else [number]
+        run_dir = Path(pack["dir"]) if pack else Path(entry["run_dir"])
+        job = self.backend.find(pack_args(run_dir) if pack else entry["args"], run_dir)
         if job is not None:
-            self.manifest.put(number, state="RUNNING", job=job, last_start=time.time())
-            log.info("trial %d: adopted its job (%s), launched before the last controller died", number, job_name(job))
+            for n in numbers:
+                self.manifest.put(n, state="RUNNING", job={**job, "pack": numbers[0]} if pack else job,
+                                  last_start=time.time())
+            log.info("trial(s) %s: adopted the job (%s), launched before the last controller died",
+                     ", ".join(map(str, numbers)), job_name(job))
             return
-        record = Path(entry["run_dir"]) / "run.json"
-        if record.exists():  # it ran, and ended while no controller watched: judge what it left
-            self.manifest.put(number, state="RUNNING",
-                              job={"unwatched": True, "logs": [str(Path(entry["run_dir"]) / "job.log")]})
-            self._finish(number, "gone")
+        ran = [n for n in numbers if (Path(self.manifest.trial(n)["run_dir"]) / "run.json").exists()]
+        if ran:  # it ran, and ended while no controller watched: judge what it left
+            for n in numbers:
+                self.manifest.put(n, state="RUNNING", job={"unwatched": True, "logs": [str(run_dir / "job.log")],
+                                                           **({"pack": numbers[0]} if pack else {})})
+            self._finish(numbers[0], "gone")
             return
-        self.manifest.put(number, attempts=max(0, entry.get("attempts", 1) - 1))  # it never started
-        self._start(number)
+        for n in numbers:  # it never started
+            self.manifest.put(n, attempts=max(0, self.manifest.trial(n).get("attempts", 1) - 1))
+        self._start_all(numbers)
 
     def _keep_wall(self) -> None:
         """Every 10 s, the wall time spent into the manifest (a resume continues the wall-clock limit from it)."""
@@ -407,34 +498,49 @@ class Controller:
 
     def _run_trials(self) -> None:
         """Start, watch and end trials (the search's, then its confirmation's) until none runs and none may start."""
-        for number, entry in sorted(self.manifest.trials.items(), key=lambda kv: int(kv[0])):
-            if entry["state"] == "ASKED":  # the controller died between ask and start
-                self._start(int(number))
-            elif entry["state"] == "STARTING":
-                self._reconcile(int(number))
+        entries = sorted(self.manifest.trials.values(), key=lambda e: e["number"])
+        asked = [e["number"] for e in entries if e["state"] == "ASKED"]  # the controller died between ask and start
+        for i in range(0, len(asked), self.pack):
+            self._start_all(asked[i:i + self.pack])
+        for entry in entries:
+            if entry["state"] == "STARTING":  # (a pack's members: the first reconciles them all)
+                self._reconcile(entry["number"])
         while True:
-            running = [int(n) for n, e in self.manifest.trials.items() if e["state"] == "RUNNING"]
-            for number in running:
-                code = self.backend.poll(self.manifest.trial(number)["job"])
+            for number in [int(n) for n, e in self.manifest.trials.items() if e["state"] == "RUNNING"]:
+                entry = self.manifest.trial(number)
+                if entry["state"] != "RUNNING":
+                    continue  # a pack's member, judged with its pack this round
+                code = self.backend.poll(entry["job"])
                 if code is not None:
                     self._finish(number, code)
             running = [int(n) for n, e in self.manifest.trials.items() if e["state"] == "RUNNING"]
-            while len(running) < self._slots(running):
-                if self._search_may_ask():
-                    self._ask_and_start()
-                elif ((item := self._confirmation_item()) is not None
-                      and self.budget.allows_reserved(seed=item["seed"] is not None)):
-                    self._ask_and_start(item)
-                else:
+            while self._jobs(running) < self._slots(running):
+                numbers = self._ask_some(self.pack)
+                if not numbers:
                     if running and not self._waits_on_trials():
                         self.backend.release_idle("no trial may start until the budget allows it")
                     break
-                running.append(-1)
+                self._start_all(numbers)
+                running += numbers
             if not running:
                 self._note_cut()
                 break
             self._keep_wall()
             time.sleep(self.settings.poll_s)
+
+
+def pack_args(pack_dir: Path) -> list[str]:
+    """A packed job's arguments: ``python -m kdsweep --pack DIR`` (its members' in DIR/pack.json)."""
+    return ["--pack", str(pack_dir)]
+
+
+def member_exit(entry: dict[str, Any], exit_code: int | str) -> int | str:
+    """What a packed job's end means for one member, as its own job's exit would have: 0 for a member whose record
+    says it completed or was pruned (the pack may have gone on, and failed or been killed, after it left); else the
+    pack's (a member that failed: the pack exits 1; one still training when the pack was killed: its signal)."""
+    path = Path(entry["run_dir"]) / "run.json"
+    status = json.loads(path.read_text()).get("status") if path.exists() else None
+    return 0 if status in ("completed", "pruned") else exit_code
 
 
 CRASH_AT = "KDSWEEP_TEST_CRASH_AT"

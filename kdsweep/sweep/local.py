@@ -52,8 +52,9 @@ class LocalProcesses:
         return None
 
     def find(self, args: list[str], run_dir: Path) -> dict[str, Any] | None:
-        """A live ``python -m kdsweep`` process of this trial (its command names the trial's run directory)."""
-        marker = f"hydra.run.dir={run_dir}".encode()
+        """A live ``python -m kdsweep`` process of this trial (its command names the trial's run directory, or a
+        packed job's its own)."""
+        marker = (str(run_dir) if args[:1] == ["--pack"] else f"hydra.run.dir={run_dir}").encode()  # a pack: its dir
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
                 continue

@@ -135,6 +135,8 @@ class SlurmJobs:
     def job_name(self, run_dir: Path) -> str:
         """The trial's SLURM job name: the study, the trial's number and its sweep (a resumed controller finds the
         job by it, and never another sweep's)."""
+        if run_dir.parent.name == "packs":  # a packed job's (hydra.sweeper.pack): packs/<its first member>
+            return f"{self.study_name}-pack{run_dir.name}-{sweep_tag(run_dir.parent.parent)}"
         return f"{self.study_name}-{run_dir.name}-{sweep_tag(run_dir.parent)}"
 
     def submit(self, name: str, what: str, fn: Any, *args: Any) -> Any:

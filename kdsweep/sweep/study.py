@@ -68,6 +68,11 @@ class SweepSettings:
     the search's best with 95% intervals and Holm's correction (kdsweep.sweep.confirm). A budget reserves their
     share."""
     max_concurrent: int = 2
+    pack: int | None = None
+    """K (>= 2): the sweep asks K trials at a time and trains them as one packed job (:mod:`kdsweep.pack`: one
+    student base, one teacher pass per micro-batch, each member its own trial, pruned on its own); ``max_concurrent``
+    counts trials, so ``max_concurrent // K`` packs run at once. The search may change only what a pack's members set
+    each their own (:data:`kdsweep.pack.job.KNOBS`), on one rank. None or 1: one job per trial."""
     sampler: str = "tpe"
     seed: int | None = 0
     pruner: str = "halving"
@@ -138,6 +143,9 @@ class SweepSettings:
         _check(self.storage_grace_s >= 0, f"hydra.sweeper.storage_grace_s={self.storage_grace_s} must be >= 0 seconds")
         _check(self.workers is None or self.workers >= 0,
                f"hydra.sweeper.workers={self.workers} must be >= 0 (0: one job per trial; null: one worker per slot)")
+        _check(self.pack is None or (isinstance(self.pack, int) and 1 <= self.pack <= self.max_concurrent),
+               f"hydra.sweeper.pack={self.pack!r}: give the trials per packed job, from 2 to max_concurrent "
+               f"({self.max_concurrent}: a pack's members are trials running at once), or null (one job per trial)")
         _check(self.worker_idle_s > 0, f"hydra.sweeper.worker_idle_s={self.worker_idle_s} must be > 0")
         confirm = self.confirmation  # validates hydra.sweeper.confirm
         _check(self.trial_hours is None or self.trial_hours > 0,
@@ -200,10 +208,20 @@ class SweepSettings:
 
     @property
     def pool_size(self) -> int:
-        """How many warm workers run the trials; 0: one job per trial."""
+        """How many warm workers run the trials (each one job at a time: a trial, or a pack); 0: a job per trial."""
         if self.workers is None:
-            return 0 if self.reshaping_keys() else self.max_concurrent
-        return min(self.workers, self.max_concurrent)
+            return 0 if self.reshaping_keys() else self.jobs_at_once
+        return min(self.workers, self.jobs_at_once)
+
+    @property
+    def jobs_at_once(self) -> int:
+        """How many jobs run at once: ``max_concurrent`` trials, ``pack`` of them to a job."""
+        return max(1, self.max_concurrent // self.pack_size)
+
+    @property
+    def pack_size(self) -> int:
+        """Trials per job: ``pack``, 1 without packing."""
+        return self.pack or 1
 
     @property
     def trial_limit(self) -> float:

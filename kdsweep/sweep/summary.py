@@ -57,6 +57,8 @@ def summary_lines(manifest: Manifest) -> list[str]:
         if t.get("confirm"):
             seed = t["confirm"]["seed"]
             params += f" [confirm {t['confirm']['label']}{'' if seed is None else f' seed {seed}'}]"
+        if t.get("pack"):  # a packed job's member (hydra.sweeper.pack): the trials it trained with
+            params += f" [pack {'+'.join(map(str, t['pack']['members']))}]"
         lines.append(f"{t['number']:>5}  {t['state']:<8} {objective:>10}  {job_name(t.get('job')):<12} {duration:>6}  "
                      f"{params}  ({t['run_dir']}){mark}"
                      + (f"  ({t['reason']})" if t.get("reason") and t["state"] == "FAIL" else ""))

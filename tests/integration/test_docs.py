@@ -52,7 +52,7 @@ PAGES = {
     "docs/cache.md": 2,
     "docs/sweeps.md": 5,
     "docs/workers.md": 2,
-    "docs/packing.md": 1,
+    "docs/packing.md": 2,
     "docs/slurm.md": 2,
     "docs/analysis.md": 2,
     "docs/gpus.md": 1,

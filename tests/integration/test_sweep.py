@@ -199,6 +199,14 @@ BAD = {
     "confirm_no_test": (["data.test_fraction=0"], "and that job is refused: train.eval_test=true but data has no "
                         "test split; set data.test_fraction=0.05 (or data.test_datasets); or pass "
                         "hydra.sweeper.confirm.top=0"),
+    "pack_too_big": (["hydra.sweeper.pack=3", "hydra.sweeper.max_concurrent=2"],
+                     "hydra.sweeper.pack=3: give the trials per packed job, from 2 to max_concurrent (2"),
+    "pack_shared_knob": (["hydra.sweeper.pack=2", "train.max_steps=choice(4,8)"],
+                         "hydra.sweeper.pack=2 trains the trials in packs, which this search cannot: point 8 sets "
+                         "train.max_steps=4 and point 0 train.max_steps=40"),
+    "pack_full_fine_tune": (["hydra.sweeper.pack=2", "lora_rank=choice(0,8)"],
+                            "has model.lora_rank=0: a full fine-tune"),
+    "pack_ranks": (["hydra.sweeper.pack=2", "dist.nproc_per_node=2"], "a pack trains on one rank for now, not 2"),
 }
 
 

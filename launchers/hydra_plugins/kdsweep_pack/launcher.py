@@ -1,8 +1,8 @@
 """The Hydra side of a packed grid: ``python -m kdsweep -m kd_ratio=0.3,0.5,0.7 optim.lr=1e-3,3e-3
 hydra/launcher=kdsweep_pack`` composes every job as Hydra's basic launcher would (its directory, its ``.hydra``
-files, its validation), then trains them all as one pack (:func:`kdsweep.app.pack_jobs`): one read of the student's
-base, one teacher pass per micro-batch, each job's run.json, metrics and exports its own. Which knobs a grid may vary
-in a pack: :data:`kdsweep.pack.job.KNOBS`; anything else is one line before any job starts."""
+files, its validation), then trains them all as one pack (:func:`kdsweep.pack.jobs.pack_jobs`): one read of the
+student's base, one teacher pass per micro-batch, each job's run.json, metrics and exports its own. Which knobs a grid
+may vary in a pack: :data:`kdsweep.pack.job.KNOBS`; anything else is one line before any job starts."""
 
 
 import logging
@@ -31,7 +31,7 @@ class PackLauncher(Launcher):
         self.hydra_context, self.config = hydra_context, config
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        from kdsweep.app import pack_jobs, pack_member
+        from kdsweep.pack.jobs import pack_jobs, pack_member
 
         setup_globals()
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)

@@ -65,7 +65,7 @@ class KdsweepOptunaSweeper(Sweeper):
             log.warning(line)
         space = parse_space(params)
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
-        first = self._validate_points(base, space, settings.enqueue, sweep_dir, settings.confirmation is not None)
+        first = self._validate_points(base, space, settings, sweep_dir)
         settings = settings.with_grace(first.train.max_steps)  # the grace period follows train.max_steps
         _check_downstream(settings, first)
         backend = self._backend(settings, first, sweep_dir)
@@ -79,7 +79,8 @@ class KdsweepOptunaSweeper(Sweeper):
         log.info("sweep %s: study %s on %s, %s, %d at a time (%s), sampler %s, pruner %s", sweep_dir,
                  settings.study_name, redact(settings.storage) or "sqlite (sweep dir)", trials_text(settings),
                  settings.max_concurrent,
-                 f"{settings.pool_size} warm workers" if settings.pool_size else "one job per trial",
+                 (f"{settings.pool_size} warm workers" if settings.pool_size else "one job per trial")
+                 + (f", {settings.pack} trials per packed job" if settings.pack_size > 1 else ""),
                  settings.sampler, settings.pruner)
         manifest = controller.run()
         print("\n".join([f"sweep {sweep_dir} (study {settings.study_name}):", *summary_lines(manifest)]), flush=True)
@@ -95,18 +96,27 @@ class KdsweepOptunaSweeper(Sweeper):
 
         launcher = str(OmegaConf.select(self.config, "hydra.launcher._target_", default=""))
         size = settings.pool_size
-        if settings.workers is not None and settings.workers > settings.max_concurrent:
-            log.warning("hydra.sweeper.workers=%d but max_concurrent=%d: %d workers run the trials",
-                        settings.workers, settings.max_concurrent, size)
+        if settings.workers is not None and settings.workers > settings.jobs_at_once:
+            log.warning("hydra.sweeper.workers=%d but max_concurrent=%d%s: %d workers run the trials",
+                        settings.workers, settings.max_concurrent,
+                        f" in packs of {settings.pack}" if settings.pack_size > 1 else "", size)
         if settings.workers is None and not size:
             log.info("one job per trial: the search changes %s, which a warm worker cannot (hydra.sweeper.workers)",
                      ", ".join(settings.reshaping_keys()))
         spec = {"nproc": first.dist.nproc_per_node, "device": first.train.device, "timeout_s": first.dist.timeout_s,
                 "master_addr": first.dist.master_addr, "idle_s": settings.worker_idle_s}
         if launcher.endswith(".BasicLauncher"):
-            return WorkerPool(size, sweep_dir, spec, LocalStarter(size)) if size else LocalProcesses(settings.max_concurrent)
+            if size:
+                return WorkerPool(size, sweep_dir, spec, LocalStarter(size))
+            return LocalProcesses(settings.jobs_at_once)
         if launcher.endswith(".SlurmLauncher"):
-            jobs = SlurmJobs(OmegaConf.to_container(self.config.hydra.launcher, resolve=True), settings.study_name)
+            params = OmegaConf.to_container(self.config.hydra.launcher, resolve=True)
+            ranks = int(params.get("tasks_per_node") or 1) * int(params.get("nodes") or 1)
+            if settings.pack_size > 1 and ranks > 1:
+                raise ConfigError(f"hydra.sweeper.pack={settings.pack} trains a pack on one rank, but the launcher "
+                                  f"gives each job {ranks} tasks: pass hydra.launcher.tasks_per_node=1 "
+                                  "hydra.launcher.nodes=1, or hydra.sweeper.pack=null")
+            jobs = SlurmJobs(params, settings.study_name)
             jobs.preflight()
             return WorkerPool(size, sweep_dir, spec, jobs.worker_starter()) if size else jobs
         raise ConfigError(
@@ -114,27 +124,48 @@ class KdsweepOptunaSweeper(Sweeper):
             "(local processes; dist.nproc_per_node=N for ranks) or hydra/launcher=submitit_slurm"
         )
 
-    def _validate_points(self, base: list, space: list, enqueue: Any, sweep_dir: Path, confirming: bool) -> Any:
+    def _validate_points(self, base: list, space: list, settings: Any, sweep_dir: Path) -> Any:
         """Every corner of the space (both ends of each range, every choice) and every enqueued point must make a
-        valid job, and so must a confirmation trial (the live teacher, the test split); returns the base point's
-        RunConfig."""
+        valid job, and so must a confirmation trial (the live teacher, the test split); with ``pack``, they must
+        train together in one pack. Returns the base point's RunConfig."""
         from kdsweep.app import validate_composed
         from kdsweep.config.schema import ConfigError
         from kdsweep.sweep.confirm import UNBIASED
 
         points = [[]] + [[f"{p.key}={v}"] for p in space for v in p.corners()]
-        points += [[f"{k}={v}" for k, v in point.items()] for point in enqueue]
+        points += [[f"{k}={v}" for k, v in point.items()] for point in settings.enqueue]
         load = self.hydra_context.config_loader.load_sweep_config
         compose = lambda extra: validate_composed(load(self.config, [*base, *extra]), str(sweep_dir / "validation"))
         configs = [compose(extra) for extra in points]
-        if confirming:
+        if settings.confirmation is not None:
             try:
                 compose(list(UNBIASED))
             except ConfigError as e:
                 raise ConfigError(f"hydra.sweeper.confirm scores its verdict with the live teacher on the test split "
                                   f"({' '.join(UNBIASED)}), and that job is refused: {e}; or pass "
                                   "hydra.sweeper.confirm.top=0 for no confirmation") from None
+        if settings.pack_size > 1:
+            _check_packable(configs, settings.pack)
         return configs[0]
+
+
+def _check_packable(configs: list, pack: int) -> None:
+    """``hydra.sweeper.pack``: the trials the space and the enqueued points make must train in one pack (they
+    differ only in what each member sets its own, on one rank): one line naming what breaks it, before any job."""
+    import dataclasses
+
+    from kdsweep.config.schema import ConfigError
+    from kdsweep.pack import check_pack
+    from kdsweep.pack.job import KNOBS
+
+    try:
+        check_pack([dataclasses.replace(c, output_dir=str(i)) for i, c in enumerate(configs)])
+    except ValueError as e:
+        why = str(e).replace("pack member", "point").replace("member 0", "point 0")  # the space's corners, in order
+        shared = ": a pack's members share it"
+        why = why.split(shared)[0] + shared if shared in why else why  # (the knobs a member may set: below)
+        raise ConfigError(f"hydra.sweeper.pack={pack} trains the trials in packs, which this search cannot: {why}; "
+                          f"search only {', '.join(KNOBS)} (lora_rank > 0), or pass hydra.sweeper.pack=null") from None
 
 
 def _check_downstream(settings: Any, first: Any) -> None:

@@ -188,11 +188,11 @@ def test_a_user_s_enqueued_point_the_search_never_asked_does_not_take_a_confirma
                       confirm={"top": 1, "seeds": 3, "baseline_trials": 0}, params=SPACE)
     backend = Started()
     c = Controller(s, parse_space(SPACE), ["train=smoke"], tmp_path, backend)
-    c._ask_and_start()
+    c._start(c._ask())
     c._record(0, Outcome("COMPLETE", values=[2.0]), exit_code=0)
     assert not c._search_may_ask()
     item = c._confirmation_item()
-    c._ask_and_start(item)
+    c._start(c._ask(item))
     states = {t.number: (t.state.name, t.user_attrs) for t in c.study.trials}
     assert states[1][0] == states[2][0] == "FAIL" and states[1][1]["reason"].startswith("never ran")
     confirm_trial = c.study.trials[3]
