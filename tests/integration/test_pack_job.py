@@ -32,8 +32,11 @@ EVAL_FIELDS = ("student_ce", "kl", "teacher_ce", "tokens")
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory):
+def root(tmp_path_factory, zoo_dirs, other_teacher):
     root = tmp_path_factory.mktemp("pack_job")
+    for name, path in (("zoo_student", zoo_dirs["student"]), ("zoo_teacher", zoo_dirs["teacher"]),
+                       ("zoo_other", other_teacher)):  # byte-level BPE models, two tokenizers: teachers across them
+        (root / name).symlink_to(path)
     rng = random.Random(0)
     (root / "docs.jsonl").write_text("".join(
         json.dumps({"text": " ".join(rng.choices(WORDS, k=rng.choice([3, 5, 9, 17, 30])))}) + "\n" for _ in range(60)))
@@ -45,15 +48,22 @@ def root(tmp_path_factory):
 
 
 def config(root: Path, name: str, member: dict, logits: str = "live", merged: bool = False):
+    """A member's config; ``logits``: live, cache (``full``), or teachers (the embedded student with two live
+    teachers, one of another tokenizer, weighted 1 and 2)."""
     from kdsweep.config.schema import (CheckpointConfig, DataConfig, DatasetConfig, LoggerConfig, LossConfig,
                                        OptimConfig, RunConfig, StudentConfig, TeacherCacheConfig, TeacherConfig,
-                                       TrainConfig)
+                                       TeacherMember, TrainConfig)
 
+    several = logits == "teachers"
+    teachers = (TeacherMember(path=str(root / "zoo_teacher"), weight=1.0),
+                TeacherMember(path=str(root / "zoo_other"), weight=2.0)) if several else ()
     return RunConfig(
+        teachers=teachers,
         output_dir=str(root / "runs" / name),
-        model=StudentConfig(path=str(root / "student"), target_modules=("q_proj", "v_proj", "lm_head"),
+        model=StudentConfig(path=str(root / ("zoo_student" if several else "student")),
+                            target_modules=("q_proj", "v_proj", "lm_head"),
                             **member["model"]),
-        teacher=TeacherConfig(path=str(root / "teacher"), logits=logits,
+        teacher=TeacherConfig(path=str(root / "teacher"), logits="live" if several else logits,
                               cache=TeacherCacheConfig(method="full", dir=str(root / "cache"))),
         data=DataConfig(datasets=(DatasetConfig(path=str(root / "docs.jsonl")),), seq_len=24, batch_size=4,
                         micro_batch_size=2, eval_batch_size=4, eval_fraction=0.15, cache_dir=str(root / "data")),
@@ -85,17 +95,21 @@ def assert_same_run(packed: Path, alone: Path, tol: float = 1e-5, status: str = 
         torch.testing.assert_close(wa[k], wb[k], atol=tol, rtol=0)
 
 
-@pytest.mark.parametrize("logits", ["live", "cache"])
+@pytest.mark.parametrize("logits", ["live", "cache", "teachers"])
 def test_each_member_of_a_pack_is_the_trial_run_alone(root, logits):
     """Four members (ranks 4/8/16/8, two learning rates and schedules, kd_ratio 0/0.5/1, forward KL and JSD at three
-    temperatures, clipping on and off) trained as one pack give the rows, objective and adapter of each trial alone;
-    member 0 also exports its merged student (a copy: the base the others share is left as it was)."""
+    temperatures, clipping on and off) trained as one pack give the rows, objective and adapter of each trial alone,
+    with a live teacher, a ``full`` cache, and two teachers one of which has another tokenizer; member 0 also exports
+    its merged student (a copy: the base the others share is left as it was)."""
     from kdsweep.pack import run_pack
     from kdsweep.train import run
 
     packed = [config(root, f"{logits}-pack-{i}", m, logits, merged=i == 0) for i, m in enumerate(MEMBERS)]
     results = run_pack(packed)
     assert [r.status for r in results] == ["completed"] * len(MEMBERS)
+    if logits == "teachers":  # the second teacher's targets came across tokenizers
+        targets = read_run(Path(packed[1].output_dir))["teacher_targets"]["teachers"]
+        assert len(targets) == 2 and "cross_tokenizer" in targets[1] and "cross_tokenizer" not in targets[0]
     for i, m in enumerate(MEMBERS):
         solo = config(root, f"{logits}-alone-{i}", m, logits, merged=i == 0)
         run(solo)
@@ -104,7 +118,8 @@ def test_each_member_of_a_pack_is_the_trial_run_alone(root, logits):
     from transformers import AutoModelForCausalLM
 
     exported = Path(packed[2].output_dir) / "final" / "adapter"
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(root / "student"), exported)
+    base = root / ("zoo_student" if logits == "teachers" else "student")
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), exported)
     assert model.peft_config["default"].r == 16
     merged = AutoModelForCausalLM.from_pretrained(Path(packed[0].output_dir) / "final" / "merged")
     assert merged.config.vocab_size == model.config.vocab_size
