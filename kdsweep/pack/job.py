@@ -15,6 +15,7 @@ one teacher pass and K student passes.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import math
 import time
@@ -86,6 +87,15 @@ def check_pack(cfgs: Sequence[RunConfig], world_size: int = 1) -> None:
         raise ValueError(f"two pack members write to output_dir={same}: give each member its own")
 
 
+CURRENT: contextvars.ContextVar[int | None] = contextvars.ContextVar("pack_member", default=None)
+"""The pack member whose run is running now (None: the pack's own work, such as its shared step)."""
+
+
+def member_lines(index: int) -> Callable[[logging.LogRecord], bool]:
+    """A logging filter for member ``index``'s own log: its run's lines and the pack's, not the other members'."""
+    return lambda record: CURRENT.get() in (None, index)
+
+
 class Member(OverOneBase):
     """The seat (:class:`~kdsweep.train.trial.Seat`) of every member of one pack: its student over the pack's base
     (:class:`~kdsweep.pack.members.OverOneBase`), and its share of the job's wall seconds: each second counts 1/n to
@@ -122,6 +132,7 @@ def together(runs: Sequence[RunSteps], dist: DistEnv,
     asks: dict[int, StepAsk] = {}
 
     def advance(i: int, how) -> None:
+        token = CURRENT.set(i)  # what its run logs is its own (member_lines)
         try:
             asks[i] = how()
         except StopIteration as done:
@@ -133,6 +144,8 @@ def together(runs: Sequence[RunSteps], dist: DistEnv,
             results[i] = e
             left()
             log.error("pack member %d failed: %s: %s", i, type(e).__name__, e, exc_info=e)
+        finally:
+            CURRENT.reset(token)
 
     try:
         for i, steps in enumerate(runs):  # each member's start (its sources, student, baseline), in turn
@@ -154,10 +167,13 @@ def together(runs: Sequence[RunSteps], dist: DistEnv,
                         f"the loss is not finite at step {behind + 1} ({s.loss}): the member leaves the pack")))
     except BaseException as e:  # the pack's own (its step, an interrupt): every member still in it records it
         for i in list(asks):
+            token = CURRENT.set(i)
             try:
                 runs[i].throw(e)
             except BaseException:  # noqa: BLE001 - raised again below, once
                 pass
+            finally:
+                CURRENT.reset(token)
         raise
     return results  # type: ignore[return-value]
 
@@ -197,4 +213,4 @@ def run_pack(
     return together(runs, dist, seat.leave)
 
 
-__all__ = ["KNOBS", "PER_MEMBER", "Member", "check_pack", "run_pack", "together"]
+__all__ = ["CURRENT", "KNOBS", "PER_MEMBER", "Member", "check_pack", "member_lines", "run_pack", "together"]

@@ -50,6 +50,7 @@ def pack_jobs(members: list[tuple[RunConfig, dict[str, Any], list[str]]]) -> lis
     from kdsweep.distributed.signals import PreemptionWatch
     from kdsweep.metrics.records import JOB_STARTED, process_started
     from kdsweep.pack import check_pack, run_pack
+    from kdsweep.pack.job import member_lines
     from kdsweep.train import NULL_REPORTER
 
     cfgs = [cfg for cfg, _, _ in members]
@@ -60,7 +61,9 @@ def pack_jobs(members: list[tuple[RunConfig, dict[str, Any], list[str]]]) -> lis
     os.environ.setdefault(JOB_STARTED, str(process_started()))  # a warm worker's task set it: from its pick-up
     watch = PreemptionWatch()
     with app.SESSION.joined(cfgs[0]) as env:
-        handlers = [app._setup_rank_logging(cfg.output_dir, env.rank) for cfg in cfgs]  # each job's log: the pack's
+        handlers = [app._setup_rank_logging(cfg.output_dir, env.rank) for cfg in cfgs]
+        for i, handler in enumerate(handlers):  # each member's log: its own lines and the pack's
+            handler.addFilter(member_lines(i))
         try:
             reporters = [_reporter(cfg) if env.is_main else NULL_REPORTER for cfg in cfgs]
             results = run_pack(cfgs, reporters=reporters, dist=env, preemption=watch, kept=app.SESSION.kept(),

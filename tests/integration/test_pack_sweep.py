@@ -70,6 +70,9 @@ def test_a_packed_sweep_resumed_after_kill_9_adopts_its_pack_and_judges_each_mem
         assert record["steps"] == (2 if n == "3" else 6)
         if n != "3":
             assert t["values"] == [pytest.approx(record["eval_after"]["student_ce"])]
+    logs = {n: (sweep_dir / n / "kdsweep.log").read_text() for n in ("2", "3")}  # each member's own lines
+    assert "pruned at step 2" in logs["3"] and "pruned at step" not in logs["2"]
+    assert "held-out CE after 6 steps" in logs["2"] and "after 6 steps" not in logs["3"]
     cost = {n: read_run(sweep_dir / n)["cost"] for n in trials}
     # trial 1 at kd_ratio 0 counts only its evaluations' teacher tokens; trial 2 (the same evaluations) its training's
     assert cost["1"]["teacher_tokens_computed"] + cost["2"]["train_tokens"] == cost["2"]["teacher_tokens_computed"]
