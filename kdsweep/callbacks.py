@@ -66,12 +66,16 @@ class ValidateGrid(Callback):
             except ConfigError as e:
                 fail(f"grid point {i} ({' '.join(point)}): {e}", None)
         if "PackLauncher" in str((config.hydra.get("launcher") or {}).get("_target_", "")):
+            from kdsweep.distributed import detect, device_for
             from kdsweep.pack import check_pack
+            from kdsweep.pack.plan import check_fits, plan
 
-            try:  # the grid trains as one pack (hydra/launcher=kdsweep_pack): its points must agree
+            try:  # the grid trains as one pack (hydra/launcher=kdsweep_pack): its points must agree, and fit
                 check_pack(points)
-            except ValueError as e:
-                fail(f"hydra/launcher=kdsweep_pack: {e}", None)
+                check_fits(plan(points, device_for(points[0].train.device, detect())), len(points), "", "a grid of "
+                           "at most {n} points per command", "use hydra/launcher=basic (a job per point)")
+            except (ValueError, ConfigError) as e:
+                fail(f"hydra/launcher=kdsweep_pack: {str(e).lstrip(': ')}", None)
 
 
 KILL_BAD_EXIT = "export SLURM_KILL_BAD_EXIT=1"

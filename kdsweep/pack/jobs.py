@@ -43,20 +43,24 @@ def pack_member(cfg: DictConfig) -> tuple[RunConfig, dict[str, Any], list[str]]:
 
 def pack_jobs(members: list[tuple[RunConfig, dict[str, Any], list[str]]]) -> list[Any]:
     """Train jobs (:func:`pack_member`'s) as one pack in this process (:func:`kdsweep.pack.run_pack`): each job's
-    objective, or the error it failed with. What cannot be packed is one line before anything trains; a sweep's
-    member reports its evaluations to its trial (and is pruned on its own)."""
+    objective, or the error it failed with. What cannot be packed, or does not fit the device as the memory plan
+    has it, is one line before anything trains; a sweep's member reports its evaluations to its trial (and is
+    pruned on its own)."""
     from kdsweep import app
-    from kdsweep.distributed import detect
+    from kdsweep.distributed import detect, device_for
     from kdsweep.distributed.signals import PreemptionWatch
     from kdsweep.metrics.records import JOB_STARTED, process_started
     from kdsweep.pack import check_pack, run_pack
     from kdsweep.pack.job import member_lines
+    from kdsweep.pack.plan import check_fits, plan
     from kdsweep.train import NULL_REPORTER
 
     cfgs = [cfg for cfg, _, _ in members]
     try:
         check_pack(cfgs, detect().world_size)
-    except ValueError as e:
+        check_fits(plan(cfgs, device_for(cfgs[0].train.device, detect())), len(cfgs), "a packed job",
+                   "pack at most {n} trials together", "train them unpacked")
+    except (ValueError, ConfigError) as e:
         app.fail(str(e), None)
     os.environ.setdefault(JOB_STARTED, str(process_started()))  # a warm worker's task set it: from its pick-up
     watch = PreemptionWatch()

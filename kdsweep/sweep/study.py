@@ -68,11 +68,13 @@ class SweepSettings:
     the search's best with 95% intervals and Holm's correction (kdsweep.sweep.confirm). A budget reserves their
     share."""
     max_concurrent: int = 2
-    pack: int | None = None
+    pack: int | str | None = None
     """K (>= 2): the sweep asks K trials at a time and trains them as one packed job (:mod:`kdsweep.pack`: one
     student base, one teacher pass per micro-batch, each member its own trial, pruned on its own); ``max_concurrent``
     counts trials, so ``max_concurrent // K`` packs run at once. The search may change only what a pack's members set
-    each their own (:data:`kdsweep.pack.job.KNOBS`), on one rank. None or 1: one job per trial."""
+    each their own (:data:`kdsweep.pack.job.KNOBS`), on one rank; a K the memory plan (:mod:`kdsweep.pack.plan`)
+    says will not fit the device is refused. ``auto``: as many as it fits, at most ``max_concurrent`` (the sweeper
+    replaces it with that number before any trial). None or 1: one job per trial."""
     sampler: str = "tpe"
     seed: int | None = 0
     pruner: str = "halving"
@@ -143,9 +145,10 @@ class SweepSettings:
         _check(self.storage_grace_s >= 0, f"hydra.sweeper.storage_grace_s={self.storage_grace_s} must be >= 0 seconds")
         _check(self.workers is None or self.workers >= 0,
                f"hydra.sweeper.workers={self.workers} must be >= 0 (0: one job per trial; null: one worker per slot)")
-        _check(self.pack is None or (isinstance(self.pack, int) and 1 <= self.pack <= self.max_concurrent),
+        _check(self.pack in (None, "auto") or (isinstance(self.pack, int) and 1 <= self.pack <= self.max_concurrent),
                f"hydra.sweeper.pack={self.pack!r}: give the trials per packed job, from 2 to max_concurrent "
-               f"({self.max_concurrent}: a pack's members are trials running at once), or null (one job per trial)")
+               f"({self.max_concurrent}: a pack's members are trials running at once), auto (as many as fit), or "
+               "null (one job per trial)")
         _check(self.worker_idle_s > 0, f"hydra.sweeper.worker_idle_s={self.worker_idle_s} must be > 0")
         confirm = self.confirmation  # validates hydra.sweeper.confirm
         _check(self.trial_hours is None or self.trial_hours > 0,
@@ -220,8 +223,8 @@ class SweepSettings:
 
     @property
     def pack_size(self) -> int:
-        """Trials per job: ``pack``, 1 without packing."""
-        return self.pack or 1
+        """Trials per job: ``pack`` (once ``auto`` is resolved), 1 without packing."""
+        return self.pack if isinstance(self.pack, int) else 1
 
     @property
     def trial_limit(self) -> float:

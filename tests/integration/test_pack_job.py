@@ -289,3 +289,41 @@ def test_a_pack_killed_mid_run_resumes_every_member_from_its_checkpoint(root):
         solo = config(root, f"killed-alone-{i}", m)
         run(solo)
         assert_same_run(Path(cfgs[i].output_dir), Path(solo.output_dir))
+
+
+@pytest.mark.parametrize("logits", ["live", "cache"])
+def test_the_memory_plan_counts_what_the_pack_holds(root, logits):
+    """The plan's counts are the real models': the student's base and the live teacher read as a job reads them,
+    the largest member's adapter built as peft builds it (its weights, gradients and AdamW moments in fp32)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from kdsweep.pack.plan import activation_bytes, loss_path_bytes, plan
+
+    cfgs = [config(root, f"plan-{i}", m, logits) for i, m in enumerate(MEMBERS)]
+    memory = plan(cfgs, torch.device("cpu"), device_gb=2.0)
+    size = lambda model: sum(p.numel() * p.element_size() for p in model.parameters())  # noqa: E731
+    student = AutoModelForCausalLM.from_pretrained(root / "student")
+    base, vocab = size(student), student.config.vocab_size
+    teacher = size(AutoModelForCausalLM.from_pretrained(root / "teacher")) if logits == "live" else 0
+    adapters = [get_peft_model(AutoModelForCausalLM.from_pretrained(root / "student"), LoraConfig(
+        r=m["model"]["lora_rank"], lora_alpha=m["model"]["lora_alpha"], target_modules=["q_proj", "v_proj", "lm_head"]))
+        for m in MEMBERS]
+    trainable = max(sum(p.numel() for p in a.parameters() if p.requires_grad) for a in adapters)
+    assert memory.per_member == 4 * 4 * trainable  # rank 16's
+    step = activation_bytes(48, 2, 32, False, 4) + loss_path_bytes(48, vocab, cfgs[0].loss.impl, 128.0,
+                                                                   logits == "live")
+    assert memory.fixed == teacher + base + step and memory.usable == 1.5e9
+
+
+def test_a_grid_the_memory_plan_says_will_not_fit_is_one_line_before_any_job(tmp_path):
+    """1 MB usable, far less than the embedded pair's weights: refused with the plan's numbers, nothing started."""
+    from conftest import kdsweep
+
+    proc = kdsweep("-m", "kd_ratio=0,0.5", "hydra/launcher=kdsweep_pack", "dist.device_memory_gb=0.00133",
+                   f"hydra.sweep.dir={tmp_path / 'grid'}", cwd=tmp_path, check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("kdsweep: error: hydra/launcher=kdsweep_pack: a pack of 2 will not fit, says the memory "
+                               "plan: a pack of 2 needs 0.05") and lines[0].endswith("not even one trial fits this device")
+    assert not (tmp_path / "grid").exists()

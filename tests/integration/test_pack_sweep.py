@@ -1,4 +1,5 @@
-"""A sweep that packs its trials by itself (hydra.sweeper.pack): 4 trials in 2 packs of 2 on a warm worker, each
+"""A sweep that packs its trials by itself (hydra.sweeper.pack=auto: the memory plan fits max_concurrent=2 on this
+machine): 4 trials in 2 packs of 2 on a warm worker, each
 member still its own trial (pruned on its own, judged from its own record); the controller killed (kill -9) right
 after it launched the second pack, then `kdsweep resume`: the pack adopted, not started again, no row twice, and a
 packed trial equal to the same trial run as its own process. A search that cannot be packed: test_sweep's BAD."""
@@ -26,7 +27,7 @@ def packed(tmp_path_factory, zoo_dirs):
     tmp_path = tmp_path_factory.mktemp("pack_sweep")
     sweep_dir = tmp_path / "sweep"
     args = search(tmp_path, "packed", {
-        "n_trials": 4, "max_concurrent": 2, "pack": 2, "sampler": "random", "pruner": "median",
+        "n_trials": 4, "max_concurrent": 2, "pack": "auto", "sampler": "random", "pruner": "median",
         "pruner_startup_trials": 2, "pruner_warmup_steps": 0, "enqueue": POINTS,
         "params": {"kd_ratio": "choice(0.0,0.5,1.0)", "lr": "choice(1e-6,0.003,0.01)", "lora_rank": "choice(4,8,16)"},
     }, {"train": {"eval_every": 2, "max_steps": 6}, "checkpoint": {"save_every": 2}})

@@ -29,7 +29,7 @@ class KdsweepOptunaConf:
     trial_hours: Optional[float] = None
     confirm: ConfirmConf = field(default_factory=lambda: ConfirmConf())
     max_concurrent: int = 2
-    pack: Optional[int] = None  # K trials per packed job (kdsweep.pack), or null: one job per trial
+    pack: Any = None  # K trials per packed job (kdsweep.pack), auto: as many as fit, or null: one job per trial
     sampler: str = "tpe"
     seed: Optional[int] = 0
     pruner: str = "halving"

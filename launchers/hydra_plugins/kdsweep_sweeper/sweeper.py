@@ -65,8 +65,9 @@ class KdsweepOptunaSweeper(Sweeper):
             log.warning(line)
         space = parse_space(params)
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
-        first = self._validate_points(base, space, settings, sweep_dir)
-        settings = settings.with_grace(first.train.max_steps)  # the grace period follows train.max_steps
+        configs = self._validate_points(base, space, settings, sweep_dir)
+        first = configs[0]
+        settings = self._packs(settings, configs).with_grace(first.train.max_steps)  # the grace: of train.max_steps
         _check_downstream(settings, first)
         backend = self._backend(settings, first, sweep_dir)
         bias = cache_bias_line(first.teacher.cache.method if first.teacher.logits == "cache" else None, params)
@@ -126,8 +127,8 @@ class KdsweepOptunaSweeper(Sweeper):
 
     def _validate_points(self, base: list, space: list, settings: Any, sweep_dir: Path) -> Any:
         """Every corner of the space (both ends of each range, every choice) and every enqueued point must make a
-        valid job, and so must a confirmation trial (the live teacher, the test split); with ``pack``, they must
-        train together in one pack. Returns the base point's RunConfig."""
+        valid job, and so must a confirmation trial (the live teacher, the test split). Returns their RunConfigs,
+        the base point's first."""
         from kdsweep.app import validate_composed
         from kdsweep.config.schema import ConfigError
         from kdsweep.sweep.confirm import UNBIASED
@@ -144,9 +145,44 @@ class KdsweepOptunaSweeper(Sweeper):
                 raise ConfigError(f"hydra.sweeper.confirm scores its verdict with the live teacher on the test split "
                                   f"({' '.join(UNBIASED)}), and that job is refused: {e}; or pass "
                                   "hydra.sweeper.confirm.top=0 for no confirmation") from None
-        if settings.pack_size > 1:
-            _check_packable(configs, settings.pack)
-        return configs[0]
+        return configs
+
+    def _packs(self, settings: Any, configs: list) -> Any:
+        """``hydra.sweeper.pack``: the trials ``configs`` stand for must train together, and a pack of them fit the
+        device its jobs run on, as the memory plan has it (``auto``: as many as fit, at most ``max_concurrent``).
+        The settings, ``auto`` replaced by its number."""
+        import dataclasses
+
+        from kdsweep.config.schema import ConfigError
+        from kdsweep.distributed import device_for, single_process
+        from kdsweep.pack.plan import check_fits, plan
+
+        if settings.pack in (None, 1):
+            return settings
+        _check_packable(configs, settings.pack)
+        first = configs[0]
+        device_gb = first.dist.device_memory_gb or None
+        if str(OmegaConf.select(self.config, "hydra.launcher._target_", default="")).endswith(".SlurmLauncher"):
+            if device_gb is None and settings.pack == "auto":
+                raise ConfigError("hydra.sweeper.pack=auto sizes a pack by the memory of the GPU its job runs on, "
+                                  "which this controller cannot see: pass dist.device_memory_gb=<its GB, e.g. 80>, or "
+                                  "hydra.sweeper.pack=<trials per job>")
+            if device_gb is None:
+                log.info("hydra.sweeper.pack=%d: the memory plan is not checked (the jobs' GPU is not this "
+                         "machine's; dist.device_memory_gb=<its GB> checks it)", settings.pack)
+                return settings
+            device = None  # the plan reads device_gb
+        else:
+            device = device_for(first.train.device, single_process())
+        memory = plan(configs, device, device_gb)
+        if settings.pack != "auto":
+            check_fits(memory, settings.pack, f"hydra.sweeper.pack={settings.pack}", "pass hydra.sweeper.pack={n}",
+                       "pass hydra.sweeper.pack=null (a job per trial)")
+            return settings
+        k = min(settings.max_concurrent, memory.largest())
+        check_fits(memory, 1, "hydra.sweeper.pack=auto", "", "")  # not one trial fits: its line
+        log.info("hydra.sweeper.pack=auto: %d trials per packed job (%s)", k, memory.text(k))
+        return dataclasses.replace(settings, pack=k)
 
 
 def _check_packable(configs: list, pack: int) -> None:
