@@ -56,16 +56,12 @@ def _own(path: str) -> bool:
     return any(path == p or path.startswith(p + ".") for p in PER_MEMBER)
 
 
-def check_pack(cfgs: Sequence[RunConfig], world_size: int = 1) -> None:
+def check_pack(cfgs: Sequence[RunConfig]) -> None:
     """One line (a ValueError) for a pack that cannot train together: members that differ in a knob the pack
-    shares, a full fine-tune, on-policy or sequence-level KD, two members in one output directory, several ranks
-    (``world_size``: the process's; ``dist.nproc_per_node``: the ranks it would spawn)."""
+    shares (the ranks and their layout among them), a full fine-tune, on-policy or sequence-level KD, two members in
+    one output directory."""
     if not cfgs:
         raise ValueError("a pack needs at least one member")
-    world_size = max(world_size, *(cfg.dist.nproc_per_node for cfg in cfgs))
-    if world_size > 1:
-        raise ValueError(f"a pack trains on one rank for now, not {world_size}: run it with one process, or run the "
-                         "trials unpacked")
     first = _flat(cfgs[0])
     for i, cfg in enumerate(cfgs):
         if cfg.model.lora_rank == 0:
@@ -192,7 +188,7 @@ def run_pack(
     in their order. ``reporters``: each member's (pruning is each member's own); ``kept``: a warm worker's (the
     members share what it keeps), else one for the pack."""
     dist = dist or single_process()
-    check_pack(cfgs, dist.world_size)
+    check_pack(cfgs)
     n = len(cfgs)
     reporters = reporters or [NULL_REPORTER] * n
     resolved_configs, overrides = resolved_configs or [None] * n, overrides or [None] * n

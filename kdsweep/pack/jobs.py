@@ -42,27 +42,54 @@ def pack_member(cfg: DictConfig) -> tuple[RunConfig, dict[str, Any], list[str]]:
 
 
 def pack_jobs(members: list[tuple[RunConfig, dict[str, Any], list[str]]]) -> list[Any]:
-    """Train jobs (:func:`pack_member`'s) as one pack in this process (:func:`kdsweep.pack.run_pack`): each job's
-    objective, or the error it failed with. What cannot be packed, or does not fit the device as the memory plan
-    has it, is one line before anything trains; a sweep's member reports its evaluations to its trial (and is
-    pruned on its own)."""
+    """Train jobs (:func:`pack_member`'s) as one pack (:func:`kdsweep.pack.run_pack`), in this process or in the
+    ``dist.nproc_per_node`` local ranks it spawns: each job's objective, or the error it failed with. What cannot be
+    packed, or does not fit the device as the memory plan has it, is one line before anything trains; a sweep's
+    member reports its evaluations to its trial (and is pruned on its own)."""
     from kdsweep import app
     from kdsweep.distributed import detect, device_for
-    from kdsweep.distributed.signals import PreemptionWatch
+    from kdsweep.distributed.launch import check_local_launch, spawn
     from kdsweep.metrics.records import JOB_STARTED, process_started
-    from kdsweep.pack import check_pack, run_pack
-    from kdsweep.pack.job import member_lines
+    from kdsweep.pack import check_pack
     from kdsweep.pack.plan import check_fits, plan
-    from kdsweep.train import NULL_REPORTER
+    from kdsweep.train import prepare_data
 
     cfgs = [cfg for cfg, _, _ in members]
+    env = detect()
+    spawn_local = env.world_size == 1 and cfgs[0].dist.nproc_per_node > 1
     try:
-        check_pack(cfgs, detect().world_size)
-        check_fits(plan(cfgs, device_for(cfgs[0].train.device, detect())), len(cfgs), "a packed job",
-                   "pack at most {n} trials together", "train them unpacked")
+        check_pack(cfgs)
+        device = device_for(cfgs[0].train.device, env)
+        check_fits(plan(cfgs, device), len(cfgs), "a packed job", "pack at most {n} trials together",
+                   "train them unpacked")
+        if spawn_local:
+            check_local_launch(cfgs[0].dist, device)
+        cfgs[0].check_world_size(cfgs[0].dist.nproc_per_node if spawn_local else env.world_size)
     except (ValueError, ConfigError) as e:
         app.fail(str(e), None)
     os.environ.setdefault(JOB_STARTED, str(process_started()))  # a warm worker's task set it: from its pick-up
+    if spawn_local:
+        prepare_data(cfgs[0])  # tokenized once, before the ranks start
+        results = spawn(pack_rank, (members,), cfgs[0].dist, Path(cfgs[0].output_dir))
+    else:
+        results = pack_rank(members)
+    for cfg, result in zip(cfgs, results):
+        said = (f"{type(result).__name__}: {result}" if isinstance(result, BaseException) else
+                f"held-out CE {result.eval_before.student_ce:.4f} -> {result.objective:.4f}, {result.status}")
+        print(f"pack member {cfg.output_dir}: {said}", flush=True)
+    return [r if isinstance(r, BaseException) else r.objective for r in results]
+
+
+def pack_rank(members: list[tuple[RunConfig, dict[str, Any], list[str]]]) -> list[Any]:
+    """One rank of a packed job (all of it, for one rank): join the process group, train the pack; each member's
+    result or error."""
+    from kdsweep import app
+    from kdsweep.distributed.signals import PreemptionWatch
+    from kdsweep.pack import run_pack
+    from kdsweep.pack.job import member_lines
+    from kdsweep.train import NULL_REPORTER
+
+    cfgs = [cfg for cfg, _, _ in members]
     watch = PreemptionWatch()
     with app.SESSION.joined(cfgs[0]) as env:
         handlers = [app._setup_rank_logging(cfg.output_dir, env.rank) for cfg in cfgs]
@@ -80,11 +107,7 @@ def pack_jobs(members: list[tuple[RunConfig, dict[str, Any], list[str]]]) -> lis
         watch.handover(env.rank)  # under submitit, the job requeues and exits here (each member resumes)
     else:
         watch.restore()
-    for cfg, result in zip(cfgs, results):
-        said = (f"{type(result).__name__}: {result}" if isinstance(result, BaseException) else
-                f"held-out CE {result.eval_before.student_ce:.4f} -> {result.objective:.4f}, {result.status}")
-        print(f"pack member {cfg.output_dir}: {said}", flush=True)
-    return [r if isinstance(r, BaseException) else r.objective for r in results]
+    return results
 
 
 def _reporter(cfg: RunConfig) -> Any:
@@ -134,4 +157,4 @@ def member_dirs(pack_dir: Path) -> list[Path]:
     return [Path(next(a.split("=", 1)[1] for a in args if a.startswith("hydra.run.dir="))) for args in spec["members"]]
 
 
-__all__ = ["SPEC", "member_dirs", "pack_jobs", "pack_member", "packed_trials"]
+__all__ = ["SPEC", "member_dirs", "pack_jobs", "pack_member", "pack_rank", "packed_trials"]

@@ -6,7 +6,8 @@ parameter and buffer tensors: the frozen weights exist once, whatever the pack's
 adapter (its rank and alpha its own). Memory: the base's bytes once, plus each member's adapter, optimizer state and
 activations; a member's step runs its own forward and backward, so time grows with the members.
 
-Only what leaves the base frozen shares it: a LoRA student (``lora_rank > 0``) that is not sharded across ranks.
+Only what leaves the base frozen shares it: a LoRA student (``lora_rank > 0``) that is not sharded across ranks (on
+several ranks each member is its trial's sharded student).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kdsweep.config.schema import DistConfig, RunConfig, StudentConfig
 from kdsweep.distributed import DistEnv
 from kdsweep.models.load import prepare, read_model, student_wrapper
 from kdsweep.models.precision import Precision
+from kdsweep.train.trial import ALONE
 
 
 def sharing_copy(model: nn.Module) -> nn.Module:
@@ -35,17 +37,25 @@ class OverOneBase:
     """A pack's students (:class:`~kdsweep.pack.job.Member` seats them): each member's student wrapped over one frozen
     base, read on the first member's load and shared by the rest (:func:`sharing_copy`). A member's export merges a
     copy of it, never the shared base. Its members have LoRA ranks: :func:`~kdsweep.pack.job.check_pack` refuses
-    ``lora_rank=0`` before any member loads."""
+    ``lora_rank=0`` before any member loads.
+
+    On several ranks each member's student is loaded and sharded as its trial alone loads it (FSDP2 takes over the
+    parameters of the modules it shards, so members cannot share them yet): the base is held once per member, in
+    shards; the teacher's pass is still shared."""
 
     def __init__(self) -> None:
         self.base: nn.Module | None = None
 
     def load(self, cfg: RunConfig, src: Any, device: torch.device, dist: DistEnv) -> nn.Module:
+        if dist.world_size > 1:
+            return ALONE.load(cfg, src, device, dist)
         if self.base is None:
             self.base = read_model(src.student_dir, Precision(cfg.train.dtype).student_dtype(False))
         return member(self.base, cfg.model, cfg.train.dtype, device, cfg.train.seed, cfg.dist)
 
     def own(self, student: nn.Module) -> nn.Module:
+        if self.base is None:  # several ranks: each member's base is its own
+            return student
         return copy.deepcopy(student)  # merging folds the adapter into the base: the others' base stays untouched
 
 

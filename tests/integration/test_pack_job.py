@@ -195,20 +195,28 @@ def test_what_cannot_be_packed_is_one_line_before_anything_runs(root, change, hi
     assert not (root / "runs" / "bad-0").exists()  # refused before any member started
 
 
-def test_a_grid_packed_from_the_command_line_is_the_grid_run_job_by_job(tmp_path):
-    """``-m kd_ratio=0,0.5 hydra/launcher=kdsweep_pack`` trains the grid as one pack on the embedded default:
-    every job's directory, run.json and objective as Hydra's basic launcher gives them, job by job."""
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_grid_packed_from_the_command_line_is_the_grid_run_job_by_job(tmp_path, ranks):
+    """``-m kd_ratio=0,0.5 hydra/launcher=kdsweep_pack`` trains the grid as one pack on the embedded default (on 1
+    rank, or on 2 local ranks it spawns): every job's directory, run.json, objective and rows as Hydra's basic
+    launcher gives them, job by job."""
     from conftest import QUIET, kdsweep
 
     grid = ["-m", "kd_ratio=0,0.5", "lr=3e-3", "lora_rank=4", "train.max_steps=3", "train.eval_every=2",
-            "checkpoint.save_every=0", "checkpoint.export_merged=false", *QUIET]
+            "checkpoint.save_every=0", "checkpoint.export_merged=false", f"dist.nproc_per_node={ranks}",
+            "train.threads=1", *QUIET]
     packed = kdsweep(*grid, f"hydra.sweep.dir={tmp_path / 'packed'}", "hydra/launcher=kdsweep_pack", cwd=tmp_path)
     kdsweep(*grid, f"hydra.sweep.dir={tmp_path / 'basic'}", cwd=tmp_path)
     assert packed.stdout.count("pack member") == 2 and "sweep " in packed.stdout
     for job in range(2):
         a, b = read_run(tmp_path / "packed" / str(job)), read_run(tmp_path / "basic" / str(job))
         assert a["overrides"] == b["overrides"] and a["status"] == "completed"
-        assert a["objective"] == pytest.approx(b["objective"], abs=1e-5)
+        assert a["objective"] == pytest.approx(b["objective"], abs=1e-5) and a["world_size"] == ranks
+        rows_a, rows_b = (read_metrics(tmp_path / arm / str(job)) for arm in ("packed", "basic"))
+        assert [(r["kind"], r["step"]) for r in rows_a] == [(r["kind"], r["step"]) for r in rows_b]
+        for ra, rb in zip(rows_a, rows_b):
+            for k in TRAIN_FIELDS if ra["kind"] == "train" else EVAL_FIELDS:
+                assert ra[k] == pytest.approx(rb[k], abs=1e-5, nan_ok=True), (job, ra["kind"], ra["step"], k)
         assert sorted(p.name for p in (tmp_path / "packed" / str(job)).iterdir()) == \
             sorted(p.name for p in (tmp_path / "basic" / str(job)).iterdir())  # the same files, job by job
         assert (tmp_path / "packed" / str(job) / "final" / "adapter" / "adapter_model.safetensors").exists()

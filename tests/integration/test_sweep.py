@@ -206,7 +206,8 @@ BAD = {
                          "train.max_steps=4 and point 0 train.max_steps=40"),
     "pack_full_fine_tune": (["hydra.sweeper.pack=2", "lora_rank=choice(0,8)"],
                             "has model.lora_rank=0: a full fine-tune"),
-    "pack_ranks": (["hydra.sweeper.pack=2", "dist.nproc_per_node=2"], "a pack trains on one rank for now, not 2"),
+    "pack_ranks": (["hydra.sweeper.pack=2", "dist.nproc_per_node=2"],
+                   "hydra.sweeper.pack=2: a sweep's packs train on one rank for now, not dist.nproc_per_node=2"),
     "pack_wont_fit": (["hydra.sweeper.pack=2", "dist.device_memory_gb=0.068"],
                       "hydra.sweeper.pack=2: a pack of 2 will not fit, says the memory plan: a pack of 2 needs 0.0515 GB "
                       "(0.0492 GB once, 0.00117 GB per member) of 0.051 GB usable (dist.device_memory_gb=0.068); not "

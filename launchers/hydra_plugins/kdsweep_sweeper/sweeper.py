@@ -194,6 +194,10 @@ def _check_packable(configs: list, pack: int) -> None:
     from kdsweep.pack import check_pack
     from kdsweep.pack.job import KNOBS
 
+    if configs[0].dist.nproc_per_node > 1:
+        raise ConfigError(f"hydra.sweeper.pack={pack}: a sweep's packs train on one rank for now, not "
+                          f"dist.nproc_per_node={configs[0].dist.nproc_per_node}: pass dist.nproc_per_node=1, or "
+                          "hydra.sweeper.pack=null")
     try:
         check_pack([dataclasses.replace(c, output_dir=str(i)) for i, c in enumerate(configs)])
     except ValueError as e:
