@@ -56,7 +56,18 @@ class OverOneBase:
     def own(self, student: nn.Module) -> nn.Module:
         if self.base is None:  # several ranks: each member's base is its own
             return student
-        return copy.deepcopy(student)  # merging folds the adapter into the base: the others' base stays untouched
+        return host_copy(student)  # merging folds the adapter into the base: the others' base stays untouched
+
+
+def host_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are on the host, made without a second copy on the device
+    (a member's merged export: its student's base is the pack's, and a device may hold only one)."""
+    memo: dict[int, Any] = {}
+    for name, tensor in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)):
+        if id(tensor) not in memo:
+            host = tensor.detach().to("cpu", copy=True)
+            memo[id(tensor)] = nn.Parameter(host, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else host
+    return copy.deepcopy(model, memo=memo)
 
 
 def students_over_one_base(model_dir: Path, cfgs: list[StudentConfig], dtype: str, device: torch.device, seed: int,
