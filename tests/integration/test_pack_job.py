@@ -332,6 +332,7 @@ def test_a_grid_the_memory_plan_says_will_not_fit_is_one_line_before_any_job(tmp
                    f"hydra.sweep.dir={tmp_path / 'grid'}", cwd=tmp_path, check=False)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-    assert lines[0].startswith("kdsweep: error: hydra/launcher=kdsweep_pack: a pack of 2 will not fit, says the memory "
-                               "plan: a pack of 2 needs 0.05") and lines[0].endswith("not even one trial fits this device")
+    assert lines[0].startswith("kdsweep: error: hydra/launcher=kdsweep_pack: a pack of 2 will not fit, says the "
+                               "memory plan: a pack of 2 needs 0.05")
+    assert lines[0].endswith("not even one trial fits this device")
     assert not (tmp_path / "grid").exists()
