@@ -1,7 +1,8 @@
 """Packed jobs from Hydra: a grid's (``hydra/launcher=kdsweep_pack``) and a sweep's (``hydra.sweeper.pack``).
 
 Either way each member is composed, validated and given its directory and ``.hydra`` files exactly as its own job
-would be (:func:`pack_member`), then all of them train as one pack in this process (:func:`pack_jobs`). A sweep's
+would be (:func:`pack_member`), then all of them train as one pack, in this process or in the local ranks it
+spawns (:func:`pack_jobs`, :func:`pack_rank`). A sweep's
 packed job is ``python -m kdsweep --pack DIR`` (:func:`packed_trials`): ``DIR/pack.json`` holds each member's trial
 arguments, the ones its own job would have been given; each member reports to its trial in the study.
 """
