@@ -453,8 +453,8 @@ class Controller:
             for n in numbers:
                 self.manifest.put(n, state="RUNNING", job={**job, "pack": numbers[0]} if pack else job,
                                   last_start=time.time())
-            log.info("trial(s) %s: adopted the job (%s), launched before the last controller died",
-                     ", ".join(map(str, numbers)), job_name(job))
+            log.info("%s (%s), launched before the last controller died", f"trials {', '.join(map(str, numbers))}: "
+                     "adopted their pack's job" if pack else f"trial {number}: adopted its job", job_name(job))
             return
         ran = [n for n in numbers if (Path(self.manifest.trial(n)["run_dir"]) / "run.json").exists()]
         if ran:  # it ran, and ended while no controller watched: judge what it left
