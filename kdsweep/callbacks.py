@@ -72,10 +72,14 @@ class ValidateGrid(Callback):
 
             try:  # the grid trains as one pack (hydra/launcher=kdsweep_pack): its points must agree, and fit
                 check_pack(points)
-                check_fits(plan(points, device_for(points[0].train.device, detect())), len(points), "", "a grid of "
-                           "at most {n} points per command", "use hydra/launcher=basic (a job per point)")
-            except (ValueError, ConfigError) as e:
-                fail(f"hydra/launcher=kdsweep_pack: {str(e).lstrip(': ')}", None)
+            except ValueError as e:
+                fail(f"hydra/launcher=kdsweep_pack: {e}", None)
+            try:
+                check_fits(plan(points, device_for(points[0].train.device, detect())), len(points),
+                           "hydra/launcher=kdsweep_pack", "a grid of at most {n} points per command",
+                           "use hydra/launcher=basic (a job per point)")
+            except ConfigError as e:
+                fail(str(e), None)
 
 
 KILL_BAD_EXIT = "export SLURM_KILL_BAD_EXIT=1"

@@ -63,10 +63,9 @@ def host_copy(model: nn.Module) -> nn.Module:
     """A copy of ``model`` whose parameters and buffers are on the host, made without a second copy on the device
     (a member's merged export: its student's base is the pack's, and a device may hold only one)."""
     memo: dict[int, Any] = {}
-    for name, tensor in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)):
-        if id(tensor) not in memo:
-            host = tensor.detach().to("cpu", copy=True)
-            memo[id(tensor)] = nn.Parameter(host, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else host
+    for tensor in (*model.parameters(), *model.buffers()):  # each once: tied weights stay one tensor
+        host = tensor.detach().to("cpu", copy=True)
+        memo[id(tensor)] = nn.Parameter(host, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else host
     return copy.deepcopy(model, memo=memo)
 
 
