@@ -8,9 +8,11 @@ them (one :class:`~kdsweep.train.kept.Kept`: the rows and the teacher's weights 
 - ``pack2``, ``pack4``, ``pack8``: in packs of K (:func:`kdsweep.pack.run_pack`), pack after pack.
 
 With the live teacher and with the ``sample`` teacher cache (k=12, built by an unmeasured first run), on the embedded
-default and on ``step_time.py``'s 512-vocabulary pair. An arm's device-seconds per trial is the wall time of its 16
-trials (imports excluded: a warm worker pays them once) over 16; its peak is the process's resident peak. Each
-trial's objective is kept: a pack's members are the trials alone, so every arm must reach the same answer.
+default and on ``step_time.py``'s 512-vocabulary pair. The trials are a sweep's (``trial.sweep_dir``: the arm's
+directory), so the untrained student is evaluated once per arm, as once per sweep. An arm's device-seconds per trial
+is the wall time of its 16 trials (imports excluded: a warm worker pays them once) over 16; its peak is the process's
+resident peak. Each trial's objective is kept: a pack's members are the trials alone, so every arm must reach the
+same answer.
 
 The sharing bound: in the unpacked live arm, T is the median time of the teacher's forward on a training
 micro-batch and S the rest of a median step; sharing the teacher alone over K members makes a step (T/K + S)/(T + S)
@@ -60,6 +62,7 @@ def configs(overrides: list[list[str]], out: Path) -> list:
         for i, o in enumerate(overrides):
             raw = resolve(compose(config_name="config", overrides=o))
             raw["output_dir"] = str(out / f"trial{i:02d}")
+            raw["trial"] = {"sweep_dir": str(out), "number": i, "study": "bench"}  # a sweep's: one baseline
             made.append(validate(raw))
     return made
 

@@ -31,7 +31,7 @@ from kdsweep.metrics.records import job_started
 from kdsweep.pack.members import OverOneBase
 from kdsweep.train.kept import Kept
 from kdsweep.train.loop import NULL_REPORTER, Preemption, Reporter, RunResult, RunSteps, StepAsk, run_steps
-from kdsweep.train.step import train_step
+from kdsweep.train.step import EvalAsk, evaluate_together, train_step
 
 log = logging.getLogger(__name__)
 
@@ -116,16 +116,25 @@ class Member(OverOneBase):
         self.training -= 1
 
 
+def _same_rows(asks: Sequence[StepAsk | EvalAsk], first: int, i: int, what: str) -> None:
+    a, b = (x.micro if isinstance(x, StepAsk) else x.batches for x in (asks[first], asks[i]))
+    if len(a) != len(b) or not all(torch.equal(x.input_ids, y.input_ids) for x, y in zip(a, b)):
+        raise RuntimeError(f"pack members {first} and {i} read different {what}: their data settings differ "
+                           "(check_pack refuses that)")
+
+
 def together(runs: Sequence[RunSteps], dist: DistEnv,
              left: Callable[[], None] = lambda: None) -> list[RunResult | BaseException]:
-    """Drive runs in lockstep: at each round, one :func:`~kdsweep.train.step.train_step` for the members furthest
-    behind (all of them, unless some resumed from later checkpoints), on the micro-batches the first of them asked
-    for, every member sent its own stats. A member that ends or raises leaves (its error is its result: its run has
-    recorded it), and so does one whose loss is not finite (its run records a FloatingPointError); ``left()`` is
-    called as each leaves. An error of the pack's own (its shared step, an interrupt) is thrown into every member
-    still in it (each run records it), then raised."""
+    """Drive runs in lockstep. The members waiting for an evaluation are scored first, together
+    (:func:`~kdsweep.train.step.evaluate_together`: each held-out batch's targets made once for the members whose
+    teachers share them); then one :func:`~kdsweep.train.step.train_step` for the members furthest behind (all of
+    them, unless some resumed from later checkpoints), on the micro-batches the first of them asked for, every member
+    sent its own stats. A member that ends or raises leaves (its error is its result: its run has recorded it), and
+    so does one whose loss is not finite (its run records a FloatingPointError); ``left()`` is called as each leaves.
+    An error of the pack's own (its shared step or evaluation, an interrupt) is thrown into every member still in it
+    (each run records it), then raised."""
     results: list[RunResult | BaseException | None] = [None] * len(runs)
-    asks: dict[int, StepAsk] = {}
+    asks: dict[int, StepAsk | EvalAsk] = {}
 
     def advance(i: int, how) -> None:
         token = CURRENT.set(i)  # what its run logs is its own (member_lines)
@@ -147,13 +156,23 @@ def together(runs: Sequence[RunSteps], dist: DistEnv,
         for i, steps in enumerate(runs):  # each member's start (its sources, student, baseline), in turn
             advance(i, lambda steps=steps: next(steps))
         while asks:
+            scoring: dict[tuple, list[int]] = {}
+            for i, a in asks.items():
+                if isinstance(a, EvalAsk):
+                    scoring.setdefault((a.split, a.teacher.share_key), []).append(i)
+            for (split, _), group in scoring.items():
+                for i in group[1:]:
+                    _same_rows(asks, group[0], i, f"{split} rows")
+                scores = evaluate_together([asks[i] for i in group], dist=dist)
+                for i, ev in zip(group, scores):
+                    advance(i, lambda i=i, ev=ev: runs[i].send(ev))
+            if scoring:
+                continue
             behind = min(a.step for a in asks.values())
             now = [i for i, a in asks.items() if a.step == behind]
             lead = asks[now[0]]
             for i in now[1:]:
-                if not all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(asks[i].micro, lead.micro)):
-                    raise RuntimeError(f"pack members {now[0]} and {i} read different micro-batches at step "
-                                       f"{behind + 1}: their data settings differ (check_pack refuses that)")
+                _same_rows(asks, now[0], i, f"micro-batches at step {behind + 1}")
             stats = train_step([asks[i].learner for i in now], lead.micro, dist=dist, compute=lead.compute)
             for i, s in zip(now, stats):
                 if math.isfinite(s.loss):

@@ -28,7 +28,7 @@ from kdsweep.train.knobs import warn_idle_knobs
 from kdsweep.train.profile import step_profiler
 from kdsweep.train.resume import check_resumable, training_fingerprint
 from kdsweep.train.sources import Sources, open_sources
-from kdsweep.train.step import Batch, EvalResult, Learner, StepStats, train_step
+from kdsweep.train.step import Batch, EvalAsk, EvalResult, Learner, StepStats, evaluate_together, train_step
 from kdsweep.train.trial import ALONE, Seat, peak_memory_mb, reset_peak_memory, start_trial
 
 log = logging.getLogger(__name__)
@@ -131,8 +131,9 @@ class StepAsk:
     """The step about to be taken (0 for the first)."""
 
 
-RunSteps = Generator[StepAsk, StepStats, RunResult]
-"""A run as its steps: :func:`run_steps` yields a :class:`StepAsk` per training step and returns its result."""
+RunSteps = Generator[StepAsk | EvalAsk, StepStats | EvalResult, RunResult]
+"""A run as its steps: :func:`run_steps` yields a :class:`StepAsk` per training step and an
+:class:`~kdsweep.train.step.EvalAsk` per evaluation during and after training, and returns its result."""
 
 
 def run(cfg: RunConfig, *, dist: DistEnv | None = None, **options: Any) -> RunResult:
@@ -144,17 +145,21 @@ def run(cfg: RunConfig, *, dist: DistEnv | None = None, **options: Any) -> RunRe
 
 
 def alone(steps: RunSteps, dist: DistEnv) -> RunResult:
-    """Drive one run: each step it asks for is its own :func:`~kdsweep.train.step.train_step`; a step's error is
-    thrown back into the run (which records it) and raised."""
+    """Drive one run: each step it asks for is its own :func:`~kdsweep.train.step.train_step`, each evaluation its
+    own :func:`~kdsweep.train.step.evaluate_together`; an error is thrown back into the run (which records it) and
+    raised."""
     try:
         ask = next(steps)
         while True:
             try:
-                stats, = train_step([ask.learner], ask.micro, dist=dist, compute=ask.compute)
+                if isinstance(ask, EvalAsk):
+                    answer, = evaluate_together([ask], dist=dist)
+                else:
+                    answer, = train_step([ask.learner], ask.micro, dist=dist, compute=ask.compute)
             except BaseException as e:
                 ask = steps.throw(e)
                 continue
-            ask = steps.send(stats)
+            ask = steps.send(answer)
     except StopIteration as done:
         return done.value
 
@@ -226,7 +231,7 @@ def _train(
     trial = start_trial(cfg, dist, device, src, record, resume_from, out, seat)
     student, rollout, optimizer, scheduler, meter, metrics = (
         trial.student, trial.rollout, trial.optimizer, trial.scheduler, trial.meter, trial.metrics)
-    evaluate_now, eval_before, step = trial.evaluate, trial.eval_before, trial.start_step
+    eval_before, step = trial.eval_before, trial.start_step
     d, o, train_rows, sampler, teacher = cfg.data, cfg.optim, src.train_rows, src.sampler, src.teacher
     ckpt_root = out / "checkpoints"
 
@@ -279,7 +284,7 @@ def _train(
             pruned = False
             if step % cfg.train.eval_every == 0 and step < cfg.train.max_steps:
                 failure.doing(f"evaluating after step {step}")
-                ev = evaluate_now()
+                ev = yield trial.held_out()
                 evaluated = {step: ev}
                 metrics.log("eval", step, asdict(ev))
                 pruned = dist.any(reporter.report(step, asdict(ev)))  # rank 0 decides (others hold a null reporter)
@@ -310,7 +315,7 @@ def _train(
         )
 
     failure.doing(f"evaluating after step {step}")
-    eval_after = evaluated[step] if step in evaluated else evaluate_now()  # pruned: the eval that pruned it
+    eval_after = evaluated[step] if step in evaluated else (yield trial.held_out())  # pruned: the one that pruned it
     spent = meter.snapshot()
     if record is not None:
         record.cost(spent)
@@ -322,7 +327,7 @@ def _train(
     test_after = None
     if cfg.train.eval_test and status == "completed":
         failure.doing("evaluating the test split")
-        test_after = trial.evaluate_test()
+        test_after = yield trial.test()
         log.info("test-split CE after %d steps: student %.4f, teacher %.4f, KL %.4f (%d tokens)",
                  step, test_after.student_ce, test_after.teacher_ce, test_after.kl, test_after.tokens)
     log.info(

@@ -185,7 +185,23 @@ class EvalResult:
     tokens: int
 
 
-@torch.no_grad()
+@dataclass
+class EvalAsk:
+    """One student's held-out evaluation (:func:`evaluate`): what a run asks of whoever drives it at an evaluation,
+    whose :class:`EvalResult` it is then sent. A driver may score several asks together (:func:`evaluate_together`:
+    a pack's members) when their teachers share a key and their batches are the same rows."""
+
+    student: nn.Module
+    teacher: TeacherSource
+    batches: list[Batch]
+    loss_cfg: LossConfig
+    chunks: int | None = None
+    """The loss's chunks per batch (as for :func:`micro_batch_backward`)."""
+    compute: Callable[[], ContextManager] = contextlib.nullcontext
+    split: str = "eval"
+    """Which held-out rows: ``eval`` (the objective's) or ``test``."""
+
+
 def evaluate(
     student: nn.Module, teacher: TeacherSource, batches: list[Batch], *, loss_cfg: LossConfig, dist: DistEnv,
     chunks: int | None = None,
@@ -197,28 +213,44 @@ def evaluate(
     fp32 logits than a training step does. The KL is at the targets' ``kl_temperature`` (1 for a live teacher or a
     full cache).
     """
-    student.eval()
-    teacher.prefetch(batches)
-    sums = None  # Σ student ce, Σ kl, Σ teacher ce, tokens
-    for batch in batches:
-        if sums is None:
-            sums = torch.zeros(4, dtype=torch.float64, device=batch.labels.device)
-        with teacher.targets(batch) as targets:
-            for s_c, t_c, y_c in _eval_chunks(student, targets, batch, loss_cfg, chunks):
-                vocab = min(s_c.shape[-1], t_c.vocab)
-                s_c = s_c[..., :vocab]
-                valid = y_c != loss_cfg.ignore_index
-                sums += torch.stack([
-                    cross_entropy_sum(s_c, y_c, loss_cfg.ignore_index),
-                    torch.where(valid, t_c.kl(log_probs(s_c, t_c.kl_temperature)), 0.0).sum(),
-                    t_c.teacher_ce(y_c, vocab, loss_cfg.ignore_index).sum(),
-                    valid.sum().float(),
-                ]).double()
-    student.train()
+    return evaluate_together([EvalAsk(student, teacher, batches, loss_cfg, chunks)], dist=dist)[0]
+
+
+@torch.no_grad()
+def evaluate_together(asks: Sequence[EvalAsk], *, dist: DistEnv) -> list[EvalResult]:
+    """:func:`evaluate` of each ask's student, on the first ask's batches and teacher (the others' must be the same
+    rows and give the same targets: the caller checks): each batch's targets are made once and held while every
+    student is scored on them, so a pack's evaluation runs the teacher once, not once per member. Every student's
+    arithmetic is what it is alone; one all-reduce carries all of their sums."""
+    first = asks[0]
+    for ask in asks:
+        ask.student.eval()
+    first.teacher.prefetch(first.batches)
+    device = first.batches[0].labels.device if first.batches else torch.device("cpu")
+    sums = torch.zeros(len(asks), 4, dtype=torch.float64, device=device)  # Σ student ce, Σ kl, Σ teacher ce, tokens
+    with first.compute():
+        for batch in first.batches:
+            with first.teacher.targets(batch) as targets:
+                for i, ask in enumerate(asks):
+                    for s_c, t_c, y_c in _eval_chunks(ask.student, targets, batch, ask.loss_cfg, ask.chunks):
+                        vocab = min(s_c.shape[-1], t_c.vocab)
+                        s_c = s_c[..., :vocab]
+                        valid = y_c != ask.loss_cfg.ignore_index
+                        sums[i] += torch.stack([
+                            cross_entropy_sum(s_c, y_c, ask.loss_cfg.ignore_index),
+                            torch.where(valid, t_c.kl(log_probs(s_c, t_c.kl_temperature)), 0.0).sum(),
+                            t_c.teacher_ce(y_c, vocab, ask.loss_cfg.ignore_index).sum(),
+                            valid.sum().float(),
+                        ]).double()
+    for ask in asks:
+        ask.student.train()
     dist.all_reduce_sum(sums)
-    ce, kl, tce, n = sums.tolist()
-    n_safe = max(n, 1.0)
-    return EvalResult(student_ce=ce / n_safe, kl=kl / n_safe, teacher_ce=tce / n_safe, tokens=int(n))
+    results = []
+    for ce, kl, tce, n in sums.tolist():
+        n_safe = max(n, 1.0)
+        results.append(EvalResult(student_ce=ce / n_safe, kl=kl / n_safe, teacher_ce=tce / n_safe, tokens=int(n)))
+    return results
 
 
-__all__ = ["Batch", "EvalResult", "LossSums", "StepStats", "evaluate", "train_step"]
+__all__ = ["Batch", "EvalAsk", "EvalResult", "LossSums", "StepStats", "evaluate", "evaluate_together",
+           "train_step"]

@@ -126,8 +126,9 @@ def test_each_member_of_a_pack_is_the_trial_run_alone(root, logits):
 
 
 def test_a_pack_runs_the_teacher_once_per_micro_batch(root):
-    """The live teacher computes each training micro-batch's targets once for every member that reads them: the first
-    member's source counts them, the others count only their own evaluations' (each member evaluates itself)."""
+    """The live teacher computes each training micro-batch's and each held-out batch's targets once for every member
+    that reads them: the first member's sources count them, the others count only their own evaluation before
+    training (each member's baseline is its own outside a sweep)."""
     from kdsweep.pack import run_pack
     from kdsweep.train import run
 
@@ -138,7 +139,9 @@ def test_a_pack_runs_the_teacher_once_per_micro_batch(root):
     costs = [read_run(Path(c.output_dir))["cost"] for c in [solo, *members]]
     computed = [c["teacher_tokens_computed"] for c in costs]
     positions = solo.train.max_steps * solo.data.batch_size * solo.data.seq_len  # packed rows: no padding
-    assert computed[1] == computed[0] and computed[2:] == [computed[0] - positions] * 2
+    evaluations = sum(r["kind"] == "eval" for r in read_metrics(Path(solo.output_dir)))  # the baseline's included
+    assert evaluations >= 3 and (computed[0] - positions) % evaluations == 0
+    assert computed[1] == computed[0] and computed[2:] == [(computed[0] - positions) // evaluations] * 2
     # each member's device-seconds are its share of the job's: together the job's wall, each a third of it
     shares = [c["device_seconds"] for c in costs[1:]]
     assert shares == pytest.approx([costs[1]["trial_seconds"] / 3] * 3, rel=0.02)
