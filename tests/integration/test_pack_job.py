@@ -198,16 +198,21 @@ def test_what_cannot_be_packed_is_one_line_before_anything_runs(root, change, hi
     assert not (root / "runs" / "bad-0").exists()  # refused before any member started
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_a_grid_packed_from_the_command_line_is_the_grid_run_job_by_job(tmp_path, ranks):
+TWO_TEACHERS = "teachers=[{zoo:tiny-teacher,weight:1},{zoo:tiny-teacher-other,weight:2}]"  # one across tokenizers
+
+
+@pytest.mark.parametrize("ranks,teacher", [(1, []), (2, []), (2, ["teacher.logits=cache", "teacher.cache.method=full"]),
+                                           (2, [TWO_TEACHERS])], ids=["1-live", "2-live", "2-full-cache", "2-teachers"])
+def test_a_grid_packed_from_the_command_line_is_the_grid_run_job_by_job(tmp_path, ranks, teacher):
     """``-m kd_ratio=0,0.5 hydra/launcher=kdsweep_pack`` trains the grid as one pack on the embedded default (on 1
-    rank, or on 2 local ranks it spawns): every job's directory, run.json, objective and rows as Hydra's basic
-    launcher gives them, job by job."""
+    rank, or on 2 local ranks it spawns; on 2 ranks also with a ``full`` teacher cache, and with two teachers one of
+    which has another tokenizer): every job's directory, run.json, objective and rows as Hydra's basic launcher gives
+    them, job by job."""
     from conftest import QUIET, kdsweep
 
     grid = ["-m", "kd_ratio=0,0.5", "lr=3e-3", "lora_rank=4", "train.max_steps=3", "train.eval_every=2",
             "checkpoint.save_every=0", "checkpoint.export_merged=false", f"dist.nproc_per_node={ranks}",
-            "train.threads=1", *QUIET]
+            "train.threads=1", *teacher, *QUIET]
     packed = kdsweep(*grid, f"hydra.sweep.dir={tmp_path / 'packed'}", "hydra/launcher=kdsweep_pack", cwd=tmp_path)
     kdsweep(*grid, f"hydra.sweep.dir={tmp_path / 'basic'}", cwd=tmp_path)
     assert packed.stdout.count("pack member") == 2 and "sweep " in packed.stdout
@@ -215,6 +220,11 @@ def test_a_grid_packed_from_the_command_line_is_the_grid_run_job_by_job(tmp_path
         a, b = read_run(tmp_path / "packed" / str(job)), read_run(tmp_path / "basic" / str(job))
         assert a["overrides"] == b["overrides"] and a["status"] == "completed"
         assert a["objective"] == pytest.approx(b["objective"], abs=1e-5) and a["world_size"] == ranks
+        targets = a["teacher_targets"]
+        if teacher and teacher[0] == TWO_TEACHERS:  # the second teacher's targets came across tokenizers
+            assert [("cross_tokenizer" in t) for t in targets["teachers"]] == [False, True]
+        else:
+            assert (targets["source"], targets.get("method")) == (("cache", "full") if teacher else ("live", None))
         rows_a, rows_b = (read_metrics(tmp_path / arm / str(job)) for arm in ("packed", "basic"))
         assert [(r["kind"], r["step"]) for r in rows_a] == [(r["kind"], r["step"]) for r in rows_b]
         for ra, rb in zip(rows_a, rows_b):

@@ -15,7 +15,7 @@ from kdsweep.models.load import load_student
 from kdsweep.pack import shares_base, students_over_one_base
 from kdsweep.teacher.absent import TeacherFree
 from kdsweep.teacher.live import LiveTeacher
-from kdsweep.train.step import Learner, train_step
+from kdsweep.train.step import EvalAsk, Learner, evaluate, evaluate_together, train_step
 
 IGNORE = -100
 SEED = 7
@@ -103,6 +103,33 @@ def test_each_member_of_a_pack_steps_exactly_as_its_trial_alone_and_the_teacher_
             assert torch.equal(mine[name], w), (k, name)
     assert {tuple(p.shape) for p in students[2].parameters() if p.requires_grad} != \
         {tuple(p.shape) for p in students[0].parameters() if p.requires_grad}  # ranks differ
+
+
+@pytest.mark.parametrize("impl, chunks", [("chunked", 1), ("chunked", 3), ("fused", 3)])
+def test_members_evaluated_together_score_as_each_alone_and_the_teacher_runs_once_per_batch(models, impl, chunks):
+    """A pack's evaluation (evaluate_together): each held-out batch's targets made once for every member, and each
+    member's numbers the same bits as its evaluation alone."""
+    student_dir, teacher, vocab = models
+    chunk_mb = chunk_mb_for(chunks, 2 * 12, vocab)
+    students = students_over_one_base(student_dir, [student_cfg(m) for m in MEMBERS], "fp32", torch.device("cpu"),
+                                      SEED)
+    shared = LiveTeacher(teacher, fused=impl == "fused")
+    pack = [learner(s, shared, m, impl, chunk_mb, vocab) for s, m in zip(students, MEMBERS)]
+    train_step(pack, batches(vocab, 1)[0], dist=single_process())  # the adapters apart (B = 0 scores as the base)
+    held = batches(vocab, 2)[1]
+    calls = []
+    hook = teacher.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        together = evaluate_together([EvalAsk(lr.student, shared, held, lr.loss_cfg) for lr in pack],
+                                     dist=single_process())
+        counted = len(calls)
+        alone = [evaluate(lr.student, LiveTeacher(teacher, fused=impl == "fused"), held, loss_cfg=lr.loss_cfg,
+                          dist=single_process()) for lr in pack]
+    finally:
+        hook.remove()
+    assert counted == len(held) and len(calls) == (1 + len(pack)) * len(held)
+    assert together == alone and len({r.student_ce for r in together}) == len(pack)
+    assert all(s.training for s in students)  # left in train mode, as evaluate leaves its student
 
 
 def test_a_members_adapter_is_the_one_its_trial_would_start_from_and_the_base_is_held_once(models):
