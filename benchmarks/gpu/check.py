@@ -24,8 +24,12 @@ every check, so whatever ran is kept if the machine is taken back. The checks:
    step time, peak memory and MFU of ``train_step``; and the loss alone (the output layer and the KD loss, forward
    and backward) of chunked vs fused: its peak memory and time. Each arm's peak beside what
    ``benchmarks/gpu/memory.py`` (the README's memory table) predicts for it.
-7. ``max_micro_batch``: the largest micro-batch that fits, chunked vs fused (LoRA).
-8. ``teacher_cache``: the cache's build throughput (teacher tokens/s) with the 8B teacher, and a cached LoRA
+7. ``packed``: packed trials (``benchmarks/gpu/packed.py``): K = 1, 2, 4, 8 LoRA students over one frozen
+   1B-shaped base with the 8B-shaped teacher, one teacher forward per micro-batch for all of them: the step time
+   per member against K=1's beside the sharing bound, peak memory per K beside the memory plan, and the largest K the
+   plan fits on this device.
+8. ``max_micro_batch``: the largest micro-batch that fits, chunked vs fused (LoRA).
+9. ``teacher_cache``: the cache's build throughput (teacher tokens/s) with the 8B teacher, and a cached LoRA
    trial's step time on the same shapes.
 
 FLOPs (stated in the JSON): a linear layer costs 2 FLOPs per weight per token forward; attention 4 × layers × seq
@@ -54,12 +58,13 @@ sys.path[:0] = [str(REPO), str(HERE)]
 
 from budget import Budget, Skip  # noqa: E402
 import fsdp_check  # noqa: E402  (benchmarks/gpu/fsdp_check.py: one rank, sharded)
+import packed  # noqa: E402  (benchmarks/gpu/packed.py: K students over one base and one teacher pass)
 import processes  # noqa: E402  (benchmarks/gpu/processes.py: the whole-process checks)
 import shapes  # noqa: E402  (benchmarks/gpu/shapes.py: the in-process model checks)
 
 TOTAL_S = 480.0
 BUDGETS = {"peak_matmul": 20, "embedded": 200, "fsdp": 40, "placement": 30, "precision": 30, "real_shapes": 110,
-           "max_micro_batch": 45, "teacher_cache": 40}
+           "packed": 60, "max_micro_batch": 45, "teacher_cache": 40}
 DRY_SLACK = 3.0
 """The dry run's budgets are the GPU run's times this: it checks code paths on two shared CPU cores (all embedded
 arms at once, beside other tests), where a budget sized for the GPU measures only how busy the machine is."""
@@ -154,6 +159,7 @@ def main() -> None:
         "placement": lambda b: fsdp_check.placement(sizes, device, b),
         "precision": lambda b: shapes.precision(sizes, device, b),
         "real_shapes": lambda b: shapes.real_shapes(sizes, device, peak.get("flops"), b),
+        "packed": lambda b: packed.packed(sizes, device, b),
         "max_micro_batch": lambda b: shapes.max_micro_batch(sizes, device, b),
         "teacher_cache": lambda b: shapes.teacher_cache(sizes, device, work, b),
     }

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 GPU = REPO / "benchmarks" / "gpu"
-CHECKS = ["peak_matmul", "embedded", "fsdp", "placement", "precision", "real_shapes", "max_micro_batch", "teacher_cache"]
+CHECKS = ["peak_matmul", "embedded", "fsdp", "placement", "precision", "real_shapes", "packed", "max_micro_batch",
+          "teacher_cache"]
 
 
 @pytest.fixture(scope="module")
@@ -116,3 +117,15 @@ def test_an_absent_package_looks_absent_to_a_job_and_prepare_s_wheels_install_of
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(site),
                     *map(str, (clone / ".whl").glob("*.whl"))], check=True, capture_output=True)
     assert (site / "hydra" / "__init__.py").exists() and (site / "antlr4").is_dir()
+
+
+def test_the_packed_arm_trains_k_members_over_one_base_with_one_teacher_forward_per_step(dry_run):
+    r = dry_run[0]["checks"]["packed"]
+    assert list(r["arms"]) == ["K1", "K2", "K4", "K8"]
+    for name, arm in r["arms"].items():
+        k = int(name[1:])
+        assert arm["status"] == "ok" and arm["teacher_forwards_per_step"] == 1 and arm["base_shared"], (name, arm)
+        assert arm["per_member_s"] == pytest.approx(arm["step_s"] / k, abs=1e-4) and 0 < arm["sharing_bound"] <= 1
+    plans = [r["arms"][f"K{k}"]["plan_gb"] for k in (1, 2, 4, 8)]
+    assert plans == sorted(plans) and plans[0] < plans[1]  # the plan's memory grows with K
+    assert r["arms"]["K1"]["per_trial_over_k1"] == 1.0 and r["plan_largest_k"] is None  # no device memory on a CPU
