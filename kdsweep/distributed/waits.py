@@ -10,6 +10,14 @@ works, so a peer whose rank 0 vanished without its launcher ending the job says 
 
 Every rank calls :func:`from_rank0` at the same points in the same order, as it would a collective; each call has
 its own file, numbered within the process group (:func:`begin`, with a token rank 0 chose when the group formed).
+
+One rank per node reads the shared directory; its node's other ranks wait on it locally. Rank 0 writes its word to
+the shared file and to a copy in its own node's local temp directory (``$TMPDIR``, a node's own disk); on every other
+node, the node's first rank polls the shared file, backing off to one look a second (:data:`SHARED_POLL_S`), and
+copies the word into its node's local directory, where the node's other ranks poll it (:data:`LOCAL_POLL_S`). So a
+job of N nodes that waits makes about 2·(N−1) metadata operations a second on the shared filesystem, however many
+ranks each node has (it was two per waiting rank every 50 ms). Ranks that do not split evenly into nodes each poll
+the shared file.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import logging
 import os
 import pickle
 import shutil
+import tempfile
 import threading
 import time
 import uuid
@@ -34,12 +43,18 @@ SAY_EVERY_S = float(os.environ.get("KDSWEEP_WAIT_SAY_S") or 60.0)
 BEAT_S = 5.0
 STALE_S = 120.0
 """A heartbeat unchanged for this long (by the waiting rank's own clock): rank 0 is gone."""
+SHARED_POLL_S = 1.0
+"""The longest pause between two looks at the shared directory (backing off from 2 ms)."""
+LOCAL_POLL_S = 0.05
+"""The longest pause between two looks at a node's local copy."""
 
 
 class _Group:
     token: str | None = None
     seq: int = 0
     root: Path | None = None
+    local: Path | None = None
+    """This node's local directory (None: the ranks do not split evenly into nodes, each reads the shared one)."""
 
 
 _GROUP = _Group()
@@ -55,37 +70,56 @@ def begin(env: DistEnv) -> None:
     """A process group formed: rank 0 names its waits' directory (a collective, while every rank has just joined)."""
     _GROUP.token = env.broadcast_object(uuid.uuid4().hex if env.is_main else None)
     _GROUP.seq, _GROUP.root = 0, rendezvous_root() / f"waits-{_GROUP.token}"
+    even = env.local_world_size > 1 and env.world_size % env.local_world_size == 0
+    _GROUP.local = Path(tempfile.gettempdir()) / f"kdsweep-waits-{_GROUP.token}-node{env.node}" if even else None
     if env.is_main:
         _GROUP.root.mkdir(parents=True, exist_ok=True)
 
 
+def _node_first(env: DistEnv) -> bool:
+    """Whether this rank reads the shared directory for its node (and writes the node's local copy)."""
+    return _GROUP.local is None or env.rank == env.node * env.local_world_size
+
+
 def end(env: DistEnv) -> None:
-    """The process group is ending (every rank past its last wait): rank 0 removes the waits' files."""
+    """The process group is ending (every rank past its last wait): rank 0 removes the waits' files, and each node's
+    first rank its node's local copies."""
     if env.is_main and _GROUP.root is not None:
         shutil.rmtree(_GROUP.root, ignore_errors=True)
-    _GROUP.token, _GROUP.root = None, None
+    if _GROUP.local is not None and _node_first(env):
+        shutil.rmtree(_GROUP.local, ignore_errors=True)
+    _GROUP.token, _GROUP.root, _GROUP.local = None, None, None
 
 
 class _Heartbeat:
-    def __init__(self, path: Path) -> None:
-        self.path, self.stopped = path, threading.Event()
-        self.path.touch()
+    """Rank 0's heartbeat while it works: ``paths`` (the shared file, and its node's local copy) rewritten every
+    :data:`BEAT_S`."""
+
+    def __init__(self, *paths: Path) -> None:
+        self.paths, self.stopped = paths, threading.Event()
+        for path in paths:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.touch()
         self.thread = threading.Thread(target=self._beat, daemon=True, name="kdsweep-rank0-heartbeat")
         self.thread.start()
 
     def _beat(self) -> None:
         while not self.stopped.wait(BEAT_S):
-            try:
-                self.path.write_text(str(time.time()))
-            except OSError:
-                pass
+            for path in self.paths:
+                try:
+                    path.write_text(str(time.time()))
+                except OSError:
+                    pass
 
     def stop(self) -> None:
         self.stopped.set()
         self.thread.join()
 
 
-def _write_atomic(path: Path, payload: Any) -> None:
+def _write_atomic(path: Path | None, payload: Any) -> None:
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
     tmp.write_bytes(pickle.dumps(payload))
     os.replace(tmp, path)
@@ -102,31 +136,51 @@ def from_rank0(env: DistEnv, what: str, fn: Callable[[], T]) -> T:
     _GROUP.seq += 1
     path = _GROUP.root / f"{_GROUP.seq}.pickle"
     beat = path.with_suffix(".alive")
+    local = _GROUP.local / path.name if _GROUP.local is not None else None
+    local_beat = local.with_suffix(".alive") if local is not None else None
     if env.is_main:
-        heart = _Heartbeat(beat)
+        heart = _Heartbeat(beat, *([local_beat] if local_beat is not None else []))
         try:
             value = fn()
         except BaseException as e:
-            _write_atomic(path, ("error", f"{type(e).__name__}: {e}"))
+            for where in (path, local):
+                _write_atomic(where, ("error", f"{type(e).__name__}: {e}"))
             raise
         finally:
             heart.stop()
-        _write_atomic(path, ("ok", value))
+        for where in (path, local):
+            _write_atomic(where, ("ok", value))
         return value
-    return _wait(env, path, beat, what)
+    if _node_first(env):  # its node's reader of the shared directory: it hands the word on to its node
+        try:
+            word = _wait(env, path, beat, what, SHARED_POLL_S)
+        except RuntimeError as e:  # rank 0 is gone: the node's other ranks hear it too
+            _write_atomic(local, ("gone", str(e)))
+            raise
+        _write_atomic(local, word)
+    else:
+        word = _wait(env, local, local_beat, what, LOCAL_POLL_S)
+    status, value = word
+    if status == "error":
+        raise RuntimeError(f"rank 0 failed to {what}: {value}")
+    if status == "gone":
+        raise RuntimeError(value)
+    return value
 
 
-def _wait(env: DistEnv, path: Path, beat: Path, what: str) -> Any:
+def _wait(env: DistEnv, path: Path, beat: Path, what: str, longest: float) -> tuple[str, Any]:
+    """Rank 0's word from ``path``, looked for with pauses from 2 ms doubling to ``longest``; a RuntimeError if
+    rank 0's heartbeat ``beat`` (when this node has one) stops changing."""
     began = last_said = time.time()
     pause, seen, seen_at = 0.002, None, time.time()
     while not path.exists():
         time.sleep(pause)
-        pause = min(pause * 2, 0.05)  # a stat every 50 ms at most: nothing, beside waiting
+        pause = min(pause * 2, longest)
         now = time.time()
         try:
             mark = beat.stat().st_mtime_ns
         except FileNotFoundError:
-            mark = None  # rank 0 has not reached this wait yet: it is behind, not gone
+            mark = None  # rank 0 has not reached this wait yet (or another node's rank 0 beats elsewhere)
         if mark != seen:
             seen, seen_at = mark, now
         elif mark is not None and now - seen_at > STALE_S and not path.exists():
@@ -135,7 +189,4 @@ def _wait(env: DistEnv, path: Path, beat: Path, what: str) -> Any:
         if now - last_said >= SAY_EVERY_S:
             last_said = now
             log.info("rank %d: waiting %.0f s so far for rank 0 to %s", env.rank, now - began, what)
-    status, value = pickle.loads(path.read_bytes())
-    if status == "error":
-        raise RuntimeError(f"rank 0 failed to {what}: {value}")
-    return value
+    return pickle.loads(path.read_bytes())

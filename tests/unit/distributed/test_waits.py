@@ -40,3 +40,40 @@ def test_peers_wait_longer_than_the_collective_timeout_and_get_rank0s_value_or_e
     assert rank0[1] == "OSError: disk gone"
     assert rank1[1] == "RuntimeError: rank 0 failed to take the lock: OSError: disk gone"
 
+
+
+def _nodes(rank: int, out: str) -> None:
+    import pathlib
+
+    from kdsweep.distributed import waits
+    from kdsweep.distributed.env import DistEnv
+
+    env = DistEnv(rank=rank, world_size=4, local_world_size=2, local_rank=rank % 2, source="local")
+    shared, looks, stat = str(waits.rendezvous_root()), [], pathlib.Path.stat
+
+    def counted(self, *args, **kw):  # every look at a file (exists() stats too)
+        if str(self).startswith(shared):
+            looks.append(str(self))
+        return stat(self, *args, **kw)
+
+    pathlib.Path.stat = counted
+    got = waits.from_rank0(env, "sleep", lambda: (time.sleep(3), "done")[1])
+    pathlib.Path.stat = stat
+    with open(os.path.join(out, f"nodes{rank}.txt"), "w") as f:
+        f.write(f"{got}|{len(looks)}")
+
+
+def test_one_rank_per_node_looks_at_the_shared_directory_backing_off_and_its_node_waits_on_it(tmp_path, monkeypatch):
+    """4 ranks as 2 nodes of 2, rank 0 busy 3 s: node 1's first rank polls the shared directory (backing off to a
+    look a second: about a dozen looks, where every 50 ms would be 120), ranks 1 and 3 never look at it (they wait on
+    their node's local copy), and every rank gets rank 0's value."""
+    monkeypatch.setenv("KDSWEEP_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))  # each node's local copies, here
+    gloo_ranks(_nodes, str(tmp_path), tmp_path=tmp_path, nprocs=4, timeout_s=TIMEOUT_S)
+    got = [(tmp_path / f"nodes{r}.txt").read_text().split("|") for r in range(4)]
+    assert [g[0] for g in got] == ["done"] * 4
+    looks = [int(g[1]) for g in got]
+    assert looks[1] == looks[3] == 0 and 0 < looks[2] <= 30, looks
+    nodes = sorted(p.name.rsplit("-", 1)[1] for p in (tmp_path / "tmp").glob("kdsweep-waits-*"))
+    assert nodes == ["node0", "node1"]  # rank 0's copy for its node, node 1's first rank's for its own
