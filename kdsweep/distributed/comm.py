@@ -10,8 +10,12 @@ registered by :func:`own_group` (HSDP's replicate group) makes its all-reduces t
 broadcasts.
 
 Bytes per rank follow the ring algorithms NCCL uses for large messages, for a group of ``n`` ranks: an all-gather
-receives ``(n-1)/n`` of its output, a reduce-scatter ``(n-1)/n`` of its input, an all-reduce ``2(n-1)/n`` of its
-tensor, a broadcast its tensor on every rank but the source, a barrier nothing. ``cross_node_bytes`` are those of
+receives ``(n-1)/n`` of its output (a functional all-gather's output is ``n`` times the shard it is given), a
+reduce-scatter ``(n-1)/n`` of its input, an all-reduce ``2(n-1)/n`` of its tensor, an all-to-all sends ``(n-1)/n``
+of its input, a broadcast its tensor on every rank but the source, a barrier nothing. The rooted ones move each
+rank's tensor directly: a gather's, a scatter's or a reduce's root ``n-1`` tensors, every other rank its one; a send
+or a receive its tensor. The object collectives (``gather_object``, ``broadcast_object_list``, ...) are counted as
+the tensor collectives they issue. ``cross_node_bytes`` are those of
 collectives whose group spans more than one node (what may cross the network between nodes).
 
 Once a collective raised (a peer is gone) or the process marked itself failed (:func:`mark_failed`), every later
@@ -40,7 +44,8 @@ import torch
 
 LOG_ENV = "KDSWEEP_COLLECTIVE_LOG"
 OTHER = "other"
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "barrier")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "gather", "scatter", "reduce", "send",
+         "recv", "barrier")
 
 _OWNER: contextvars.ContextVar[str | None] = contextvars.ContextVar("kdsweep_comm_owner", default=None)
 _GROUP_OWNERS: dict[int, str] = {}
@@ -140,12 +145,16 @@ def _nbytes(t: Any) -> int:
     return 0
 
 
-def _wire(kind: str, payload: int, n: int, is_src: bool = False) -> float:
+def _wire(kind: str, payload: int, n: int, is_root: bool = False) -> float:
+    """Bytes one rank moves for a collective of ``payload`` bytes over ``n`` ranks (the module's docstring)."""
     if n <= 1:
         return 0.0
     share = (n - 1) / n
+    rooted = (n - 1) * payload if is_root else float(payload)
     return {"all_gather": payload * share, "reduce_scatter": payload * share, "all_reduce": 2 * payload * share,
-            "broadcast": 0.0 if is_src else float(payload), "barrier": 0.0}[kind]
+            "all_to_all": payload * share, "broadcast": 0.0 if is_root else float(payload), "gather": rooted,
+            "scatter": rooted, "reduce": rooted, "send": float(payload), "recv": float(payload),
+            "barrier": 0.0}[kind]
 
 
 def _log(entry: dict[str, Any]) -> None:
@@ -171,8 +180,8 @@ def _counted(kind: str, fn: Callable, payload: Callable[[inspect.BoundArguments]
             group = _functional_group(group)
         n, cross = _group_shape(group)
         owner = _OWNER.get() or (_GROUP_OWNERS.get(id(group)) if kind == "all_reduce" else None) or OTHER
-        is_src = kind == "broadcast" and _is_src(bound, group)
-        TALLY.add(owner, kind, _wire(kind, _nbytes(payload(bound)), n, is_src), cross)
+        nbytes = _nbytes(payload(bound)) * (n if functional and kind == "all_gather" else 1)  # its shard: n of them
+        TALLY.add(owner, kind, _wire(kind, nbytes, n, kind in ROOTED and _is_root(bound, group)), cross)
         entry = {"t": time.time(), "kind": kind, "owner": owner, "n": n}
         _log({**entry, "phase": "start"})
         _inside.depth = 1
@@ -190,14 +199,19 @@ def _counted(kind: str, fn: Callable, payload: Callable[[inspect.BoundArguments]
     return wrapper
 
 
-def _is_src(bound: inspect.BoundArguments, group: Any) -> bool:
+ROOTED = ("broadcast", "gather", "scatter", "reduce")
+"""The collectives with a root (``src`` or ``dst``, or their ``group_`` forms: a rank within the group)."""
+
+
+def _is_root(bound: inspect.BoundArguments, group: Any) -> bool:
     import torch.distributed as dist
 
-    src = bound.arguments.get("src")
-    if src is None:
-        group_src = bound.arguments.get("group_src", 0)
-        return dist.get_rank(group) == group_src if group is not None else dist.get_rank() == group_src
-    return dist.get_rank() == src
+    args = bound.arguments
+    root = args.get("src", args.get("dst"))
+    if root is None:
+        group_root = args.get("group_src", args.get("group_dst")) or 0
+        return dist.get_rank(group) == group_root if group is not None else dist.get_rank() == group_root
+    return dist.get_rank() == root
 
 
 def _functional_group(group: Any) -> Any:
@@ -220,13 +234,23 @@ _C10D = {
     "reduce_scatter": ("reduce_scatter", lambda b: b.arguments["input_list"]),
     "all_reduce": ("all_reduce", lambda b: b.arguments["tensor"]),
     "all_reduce_coalesced": ("all_reduce", lambda b: b.arguments["tensors"]),
+    "all_to_all": ("all_to_all", lambda b: b.arguments["input_tensor_list"]),
+    "all_to_all_single": ("all_to_all", lambda b: b.arguments["input"]),
     "broadcast": ("broadcast", lambda b: b.arguments["tensor"]),
+    "gather": ("gather", lambda b: b.arguments["tensor"]),
+    "scatter": ("scatter", lambda b: b.arguments["tensor"]),
+    "reduce": ("reduce", lambda b: b.arguments["tensor"]),
+    "send": ("send", lambda b: b.arguments["tensor"]),
+    "isend": ("send", lambda b: b.arguments["tensor"]),
+    "recv": ("recv", lambda b: b.arguments["tensor"]),
+    "irecv": ("recv", lambda b: b.arguments["tensor"]),
     "barrier": ("barrier", lambda b: None),
     "monitored_barrier": ("barrier", lambda b: None),
 }
 _FUNCTIONAL = {
     "all_reduce": "all_reduce", "all_gather_single": "all_gather", "all_gather_tensor": "all_gather",
     "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter", "broadcast": "broadcast",
+    "all_to_all_single": "all_to_all",
 }
 
 
