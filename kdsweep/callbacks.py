@@ -4,12 +4,13 @@ after a multirun, one table of every job's objective (read from the jobs' run.js
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
+
+from kdsweep.metrics.records import read_run
 
 
 def slurm_job_name(slurm: dict[str, str]) -> str | None:
@@ -23,7 +24,7 @@ def summarize(sweep_dir: Path) -> list[dict[str, Any]]:
     """One row per job directory of a sweep (subdirectories holding a run.json), in job order."""
     rows = []
     for record in sorted(sweep_dir.glob("*/run.json"), key=lambda p: (len(p.parent.name), p.parent.name)):
-        run = json.loads(record.read_text())
+        run = read_run(record.parent)
         slurm = (run.get("environment") or {}).get("slurm") or {}
         rows.append({
             "job": record.parent.name, "status": run.get("status"), "objective": run.get("objective"),

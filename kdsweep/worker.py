@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, TextIO
 
+from kdsweep.metrics.records import read_run
 from kdsweep.sweep.workers import read_json, worker_dir
 
 log = logging.getLogger("kdsweep.worker")
@@ -225,7 +226,7 @@ class Worker:
         from kdsweep.pack.jobs import SPEC, member_dirs
 
         runs = member_dirs(run_dir) if (run_dir / SPEC).exists() else [run_dir]  # a packed job: its members'
-        if any((read_json(d / "run.json") or {}).get("status") == "preempted" for d in runs):
+        if any(read_run(d).get("status") == "preempted" for d in runs):
             self.leave = True  # checkpointed at the scheduler's signal: this worker is going
         return code
 

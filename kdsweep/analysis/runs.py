@@ -7,17 +7,12 @@ from pathlib import Path
 from typing import Any
 
 from kdsweep.config.schema import ConfigError
+from kdsweep.metrics.records import read_run
 
 
 def read_record(run_dir: Path) -> dict[str, Any] | None:
     """The run record, or None when the job never wrote one."""
-    path = run_dir / "run.json"
-    if not path.exists():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path} is not valid JSON ({e}); the record is damaged") from None
+    return read_run(run_dir) or None
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

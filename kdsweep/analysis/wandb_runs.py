@@ -33,6 +33,7 @@ import pandas as pd
 
 from kdsweep.analysis.sweep import read_manifest, trial_dir
 from kdsweep.config.schema import ConfigError
+from kdsweep.metrics.records import read_run
 
 KINDS = ("train", "eval")
 _JSON_NUMBERS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}  # how W&B's JSON writes them
@@ -83,8 +84,7 @@ def _online_group(sweep_dir: Path) -> tuple[str | None, str, str] | None:
     """(entity, project, group) when a trial of the sweep logged online (its run.json says so), else None."""
     manifest = read_manifest(sweep_dir)
     for entry in manifest["trials"].values():
-        record = trial_dir(sweep_dir, entry) / "run.json"
-        info = (json.loads(record.read_text()).get("wandb") or {}) if record.exists() else {}
+        info = read_run(trial_dir(sweep_dir, entry)).get("wandb") or {}
         if info.get("mode") == "online":
             return info.get("entity"), info["project"], info["group"]
     return None

@@ -22,16 +22,16 @@ from pathlib import Path
 from typing import Any
 
 from kdsweep.config.schema import ConfigError
+from kdsweep.metrics.records import read_run
 
 CARD = "kdsweep_export.json"
 
 
 def completed_record(run_dir: Path) -> dict[str, Any]:
     """A completed run's run.json (one line for a directory without one, or a run that did not complete)."""
-    path = run_dir / "run.json"
-    if not path.exists():
+    record = read_run(run_dir)
+    if not record:
         raise ConfigError(f"{run_dir} holds no run.json: pass a run directory or a sweep directory (sweep.json)")
-    record = json.loads(path.read_text())
     if record.get("status") != "completed":
         raise ConfigError(f"{run_dir} did not complete (status {record.get('status')!r}): export a completed run")
     return record

@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import subprocess
+import time
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,42 @@ def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(payload, indent=2, default=str) + "\n")
     os.replace(tmp, path)
+
+
+_PARSED: dict[Path, tuple[tuple[int, int, int], dict[str, Any]]] = {}  # a JSON file -> (inode, mtime, size; content)
+SETTLED_S = 2.0
+"""A JSON file not written for this long is kept parsed until it changes: a later write moves its mtime by more than
+the clock's tick, so (inode, mtime, size) tells it apart; a younger one is parsed at every read."""
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON record's content, ``{}`` while it does not exist; read-only (a settled file's content is kept parsed
+    and given again: a sweep's controller reads every trial's record at every poll). A damaged one is one line."""
+    from kdsweep.config.schema import ConfigError
+
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return {}
+    version = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+    known = _PARSED.get(path)
+    if known is not None and known[0] == version:
+        return known[1]
+    try:
+        content = json.loads(path.read_text())
+    except FileNotFoundError:  # replaced between the stat and the read: not there yet, as far as this read knows
+        return {}
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON ({e}); the record is damaged") from None
+    if time.time() - stat.st_mtime > SETTLED_S:
+        _PARSED[path] = (version, content)
+    return content
+
+
+def read_run(run_dir: Path | str) -> dict[str, Any]:
+    """A run's ``run.json`` (:class:`RunRecord` writes it), ``{}`` before the run wrote one: every reader of run
+    records reads them here (read-only)."""
+    return read_json(Path(run_dir) / "run.json")
 
 
 class RunRecord:

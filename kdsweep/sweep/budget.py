@@ -39,37 +39,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kdsweep.metrics.records import read_json, read_run
 from kdsweep.sweep.manifest import FINAL, Manifest
 from kdsweep.sweep.workers import idle_device_seconds
 
 
-_READ: dict[Path, tuple[tuple[int, int, int], dict[str, Any]]] = {}  # a JSON file -> (inode, mtime, size; content)
-SETTLED_S = 2.0
-"""A JSON file not written for this long is kept parsed until it changes: a later write moves its mtime by more than
-the clock's tick, so (inode, mtime, size) tells it apart; a younger one is parsed at every read."""
-
-
-def _json(path: Path) -> dict[str, Any]:
-    """A JSON file's content (empty while it does not exist; read-only). The controller asks :meth:`Budget.allows`
-    at every poll, which reads every trial's record (and a prebuilt cache's meta.json) several times: a settled file
-    is parsed once."""
-    try:
-        stat = path.stat()
-    except FileNotFoundError:
-        return {}
-    version = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
-    known = _READ.get(path)
-    if known is not None and known[0] == version:
-        return known[1]
-    content = json.loads(path.read_text())
-    if time.time() - stat.st_mtime > SETTLED_S:
-        _READ[path] = (version, content)
-    return content
-
-
 def _record(entry: dict[str, Any]) -> dict[str, Any]:
     """A trial's run.json (empty before its first record; read-only)."""
-    return _json(Path(entry["run_dir"]) / "run.json")
+    return read_run(entry["run_dir"])
 
 
 def _cost(entry: dict[str, Any]) -> tuple[dict[str, Any], int]:
@@ -149,7 +126,7 @@ def _built(cache_dir: str | None) -> dict[str, Any]:
     if not cache_dir:
         return {}
     try:
-        return _json(Path(cache_dir) / "meta.json").get("built") or {}
+        return read_json(Path(cache_dir) / "meta.json").get("built") or {}
     except (OSError, ValueError):
         return {}
 

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from kdsweep.metrics.records import read_run
 from kdsweep.sweep import confirm
 from kdsweep.sweep.budget import Budget
 from kdsweep.sweep.cost import cost_lines, sweep_cost
@@ -421,8 +422,7 @@ class Controller:
         need it (the build holds its lock till then)."""
         if not self.cache_ready:
             for entry in self.manifest.trials.values():
-                record = Path(entry["run_dir"]) / "run.json"
-                targets = (json.loads(record.read_text()).get("teacher_targets") or {}) if record.exists() else {}
+                targets = read_run(entry["run_dir"]).get("teacher_targets") or {}
                 if targets.get("ready"):
                     self.cache_ready = True
                     log.info("teacher cache ready (trial %d): the other trials start and read it", entry["number"])
@@ -538,8 +538,7 @@ def member_exit(entry: dict[str, Any], exit_code: int | str) -> int | str:
     """What a packed job's end means for one member, as its own job's exit would have: 0 for a member whose record
     says it completed or was pruned (the pack may have gone on, and failed or been killed, after it left); else the
     pack's (a member that failed: the pack exits 1; one still training when the pack was killed: its signal)."""
-    path = Path(entry["run_dir"]) / "run.json"
-    status = json.loads(path.read_text()).get("status") if path.exists() else None
+    status = read_run(entry["run_dir"]).get("status")
     return 0 if status in ("completed", "pruned") else exit_code
 
 

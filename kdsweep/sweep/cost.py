@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kdsweep.metrics.records import read_run
 from kdsweep.sweep.manifest import Manifest
 from kdsweep.sweep.workers import idle_device_seconds
 
@@ -25,8 +26,7 @@ FIELDS = ("trial_seconds", "device_seconds", "startup_seconds", "train_tokens", 
 
 
 def _record(entry: dict[str, Any]) -> dict[str, Any]:
-    path = Path(entry["run_dir"]) / "run.json"
-    return json.loads(path.read_text()) if path.exists() else {}
+    return read_run(entry["run_dir"])
 
 
 def _teachers(record: dict[str, Any]) -> list[dict[str, Any]]:

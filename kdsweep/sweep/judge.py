@@ -6,13 +6,12 @@ gone: no record of its own) is an interruption, retried up to ``retries`` times.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from kdsweep.evaluation.downstream import lower_is_better
-from kdsweep.metrics.records import describe_failure, failure_line, rank_failures
+from kdsweep.metrics.records import describe_failure, failure_line, rank_failures, read_run
 
 
 @dataclass
@@ -30,8 +29,7 @@ def judge(run_dir: Path, exit_code: int | str, objectives: tuple[str, ...], atte
           logs: list[str] = (), also: tuple[str, ...] = ()) -> Outcome:
     """What a finished job means for its trial, from its exit code (or scheduler state) and its run.json; ``also``:
     the second measures a confirmation trial is scored on (a missing one is nan: the verdict leaves that seed out)."""
-    record_path = run_dir / "run.json"
-    record = json.loads(record_path.read_text()) if record_path.exists() else {}
+    record = read_run(run_dir)
     status = record.get("status")
     if status == "completed" and (exit_code == 0 or isinstance(exit_code, str)):
         wrong_way = next(filter(None, (lower_is_better(record, m) for m in (*objectives, *also))), None)
