@@ -21,7 +21,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from kdsweep.config import ConfigError, RunConfig, to_run_config
 from kdsweep.config.convert import check_key
-from kdsweep.config.schema import RanksFailed
+from kdsweep.config.schema import JobError, RanksFailed
 
 log = logging.getLogger("kdsweep")
 
@@ -271,6 +271,9 @@ def job(cfg: DictConfig) -> float:
     except RanksFailed as e:  # the ranks' records say it, and their tracebacks are in their logs
         print(f"kdsweep: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2 if e.config_error else 1) from None
+    except JobError as e:  # its run.json says failed, with the same line
+        print(f"kdsweep: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     except Exception:
         # Hydra's multirun would record the failure and return normally, so SLURM would show the job as
         # COMPLETED: leave with a non-zero status instead (the traceback goes to the log first).

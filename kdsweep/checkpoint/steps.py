@@ -10,6 +10,7 @@ only a temp directory, which the next save or load ignores and removes.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import shutil
@@ -19,9 +20,11 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from kdsweep.config.base import JobError
 from kdsweep.distributed import DistEnv
 from kdsweep.distributed.waits import from_rank0
 
@@ -81,9 +84,17 @@ def save(
 
     from_rank0(dist, f"prepare the checkpoint {final.name}", prepare)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
-    with _single_process_ok():
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp, no_dist=not dist.active)
-    torch.save({**state, "rng": rng_state()}, tmp / f"state_rank{dist.rank}.pt")
+    try:
+        with _single_process_ok():
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp, no_dist=not dist.active)
+        torch.save({**state, "rng": rng_state()}, tmp / f"state_rank{dist.rank}.pt")
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        left, needed = shutil.disk_usage(root).free, _nbytes(model_sd) + _nbytes(optim_sd)
+        shutil.rmtree(tmp, ignore_errors=True)  # never a half checkpoint; and what it wrote is freed for run.json
+        full = no_space(e)
+        if full is None and (left >= needed or not isinstance(e, (Exception, CheckpointException))):
+            raise
+        raise disk_full(full, root, final, needed) from e  # (torch's zip writer says ENOSPC as "unexpected pos")
     dist.barrier()  # every rank's files are written
 
     def put_in_place() -> None:
@@ -95,6 +106,45 @@ def save(
     # deleting older checkpoints can take long on a parallel file system: the others wait outside any collective
     from_rank0(dist, f"put the checkpoint {final.name} in place", put_in_place)
     return final
+
+
+def no_space(error: BaseException) -> OSError | None:
+    """The out-of-space OSError (ENOSPC, EDQUOT) behind ``error``, if there is one: its causes, its context, and the
+    per-rank failures DCP's CheckpointException carries."""
+    seen, todo = set(), [error]
+    while todo:
+        e = todo.pop()
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return e
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        todo += [e.__cause__, e.__context__]
+    return None
+
+
+def disk_full(error: OSError | None, root: Path, final: Path, needed: int) -> JobError:
+    """One line for a checkpoint the disk had no room for: which file, how much it needed, what is free, the fix."""
+    free = shutil.disk_usage(root).free if root.exists() else 0
+    last, where = latest(root), getattr(error, "filename", None) or root
+    mb = lambda b: f"{b / 2**20:.1f} MB"  # noqa: E731
+    return JobError(f"no space left to write the checkpoint {final.name} ({where}): it needs about {mb(needed)} on "
+                    f"this rank, {mb(free)} is free in {root}; free some space there (or set output_dir elsewhere) "
+                    f"and run the job again: it resumes from {last.name if last is not None else 'the start'}")
+
+
+def _nbytes(state: Any) -> int:
+    if isinstance(state, torch.Tensor):
+        local = getattr(state, "_local_tensor", state)  # a DTensor: this rank's shard
+        return local.numel() * local.element_size()
+    if isinstance(state, dict):
+        return sum(_nbytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_nbytes(v) for v in state)
+    return 0
 
 
 def _prune(root: Path, keep_last: int) -> None:

@@ -16,6 +16,11 @@ class RanksFailed(RuntimeError):
         self.config_error = config_error
 
 
+class JobError(RuntimeError):
+    """A job's failure that is no bug and says itself in one line (what happened, where, the fix): the job prints
+    ``kdsweep: error: <line>`` and exits 1, without a traceback (a full disk at a checkpoint)."""
+
+
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)

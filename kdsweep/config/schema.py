@@ -9,7 +9,7 @@ Each section lives in its own module (``kdsweep.config.model``, ``.data``, ``.lo
 ``.run``, the error in ``.base``); this module gathers their public names in one place.
 """
 
-from kdsweep.config.base import ConfigError, RanksFailed
+from kdsweep.config.base import ConfigError, JobError, RanksFailed
 from kdsweep.config.checkpoint import CheckpointConfig
 from kdsweep.config.data import (
     FORMATS,
@@ -65,6 +65,7 @@ __all__ = [
     "DatasetConfig",
     "DistConfig",
     "DownstreamConfig",
+    "JobError",
     "LoggerConfig",
     "LossConfig",
     "ModelSource",

@@ -196,9 +196,12 @@ def run_steps(
     except BaseException as e:
         if record is not None:  # a collective that failed because a peer is gone is the job's lost rank, not the run's
             lost = failure.peer_lost(e)
-            record.update(status="interrupted" if lost else "failed", wall_seconds=time.time() - started,
-                          error=f"{'a peer rank was lost while ' + failure.DOING[0] + ': ' if lost else ''}"
-                                f"{type(e).__name__}: {e}")
+            try:
+                record.update(status="interrupted" if lost else "failed", wall_seconds=time.time() - started,
+                              error=f"{'a peer rank was lost while ' + failure.DOING[0] + ': ' if lost else ''}"
+                                    f"{type(e).__name__}: {e}")
+            except OSError as unwritten:  # a full disk: the run's own error is what the job says
+                log.error("run.json could not record the failure: %s", unwritten)
         raise
     if record is not None:
         record.update(
