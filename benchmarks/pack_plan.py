@@ -9,9 +9,9 @@ trial against an unpacked live trial. Prints the table and saves ``benchmarks/re
 The bound, (T/K + S)/(T + S), counts FLOPs per token: the teacher's forward T = 2·N_t; the student's LoRA step S =
 its forward 2·N_s, its backward through the frozen base to the activations 2·N_s (no weight gradients for frozen
 weights) and the adapters' weight gradients 2·N_lora, with N_lora counted again in the forward (both small). It
-assumes both models run at the same utilisation and that a trial is all steps: a trial's start-up and its
-evaluations (whose teacher is not shared yet) are its own, so a measured pack is above this bound
-(``benchmarks/pack.py``: 1.08-1.15x it at K=4 on this machine's small pairs).
+assumes both models run at the same utilisation and that a trial is all steps: a trial's start-up is its own (its
+evaluations share the teacher as its steps do), so a measured pack may sit above or below this bound
+(``benchmarks/pack.py``: 1.06x it at K=4 on the embedded default, 0.83x on the 512 pair, on this machine's CPUs).
 """
 
 from __future__ import annotations
