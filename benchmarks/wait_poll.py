@@ -2,9 +2,9 @@
 
 A process group of ``--ranks`` gloo ranks laid out as nodes of ``--per-node`` (simulated: one machine) calls
 ``from_rank0`` once, and rank 0 takes ``--wait`` seconds. The whole group runs under ``strace -f`` (file and stat
-calls); every call that names the shared rendezvous directory (``$KDSWEEP_CACHE/rendezvous``) or a node's local copy
-(``$TMPDIR/kdsweep-waits-*``) is counted, and divided by the wait. ``--python`` runs the group with another
-interpreter (an earlier commit's venv: the same measurement before a change).
+calls); every call that names the shared rendezvous directory (``$KDSWEEP_CACHE/rendezvous``) or a node's local
+copy (``$KDSWEEP_NODE_TMP/kdsweep-waits-*``, a directory of the run here) is counted, and divided by the wait.
+``--python`` runs the group with another interpreter (an earlier commit's venv: the same measurement before a change).
 
     python benchmarks/wait_poll.py [--ranks 16] [--per-node 8] [--wait 10] [--python PY] [--out FILE]
 """
@@ -58,7 +58,8 @@ def main() -> None:
         group(args.ranks, args.per_node, args.wait)
         return
     work = Path(tempfile.mkdtemp(prefix="wait-poll-"))
-    env = {**os.environ, "KDSWEEP_CACHE": str(work / "cache"), "TMPDIR": str(work / "tmp"), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "KDSWEEP_CACHE": str(work / "cache"), "KDSWEEP_NODE_TMP": str(work / "tmp"),
+           "OMP_NUM_THREADS": "1"}
     (work / "tmp").mkdir()
     trace = work / "trace.txt"
     cmd = ["strace", "-f", "-qq", "-e", "trace=%file,%stat", "-o", str(trace), args.python, __file__, "--group",

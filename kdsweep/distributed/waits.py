@@ -12,12 +12,13 @@ Every rank calls :func:`from_rank0` at the same points in the same order, as it 
 its own file, numbered within the process group (:func:`begin`, with a token rank 0 chose when the group formed).
 
 One rank per node reads the shared directory; its node's other ranks wait on it locally. Rank 0 writes its word to
-the shared file and to a copy in its own node's local temp directory (``$TMPDIR``, a node's own disk); on every other
-node, the node's first rank polls the shared file, backing off to one look a second (:data:`SHARED_POLL_S`), and
-copies the word into its node's local directory, where the node's other ranks poll it (:data:`LOCAL_POLL_S`). So a
-job of N nodes that waits makes about 2·(N−1) metadata operations a second on the shared filesystem, however many
-ranks each node has (it was two per waiting rank every 50 ms). Ranks that do not split evenly into nodes each poll
-the shared file.
+the shared file and to a copy in its own node's local directory (:func:`node_root`: ``/dev/shm``, every process of a
+node sees it); on every other node, the node's first rank polls the shared file, backing off to one look a second
+(:data:`SHARED_POLL_S`), and copies the word into its node's local directory, where the node's other ranks poll it
+(:data:`LOCAL_POLL_S`), looking at the shared file too every :data:`FALLBACK_S` (so a node whose copy never comes
+still hears rank 0). So a job of N nodes that waits makes about 2·(N−1) metadata operations a second on the shared
+filesystem, plus one per waiting rank every 10 s, however many ranks each node has (it was two per waiting rank every
+50 ms). Ranks that do not split evenly into nodes each poll the shared file.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ SHARED_POLL_S = 1.0
 """The longest pause between two looks at the shared directory (backing off from 2 ms)."""
 LOCAL_POLL_S = 0.05
 """The longest pause between two looks at a node's local copy."""
+FALLBACK_S = 10.0
+"""How often a rank waiting on its node's copy also looks at the shared file."""
+NODE_DIR_ENV = "KDSWEEP_NODE_TMP"
 
 
 class _Group:
@@ -71,9 +75,17 @@ def begin(env: DistEnv) -> None:
     _GROUP.token = env.broadcast_object(uuid.uuid4().hex if env.is_main else None)
     _GROUP.seq, _GROUP.root = 0, rendezvous_root() / f"waits-{_GROUP.token}"
     even = env.local_world_size > 1 and env.world_size % env.local_world_size == 0
-    _GROUP.local = Path(tempfile.gettempdir()) / f"kdsweep-waits-{_GROUP.token}-node{env.node}" if even else None
+    _GROUP.local = node_root() / f"kdsweep-waits-{_GROUP.token}-node{env.node}" if even else None
     if env.is_main:
         _GROUP.root.mkdir(parents=True, exist_ok=True)
+
+
+def node_root() -> Path:
+    """Where a node's ranks hand rank 0's word on: ``$KDSWEEP_NODE_TMP``, else ``/dev/shm`` (a node's own memory,
+    seen by every process of the node whatever its ``$TMPDIR``), else the temp directory."""
+    if os.environ.get(NODE_DIR_ENV):
+        return Path(os.environ[NODE_DIR_ENV])
+    return Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
 
 
 def _node_first(env: DistEnv) -> bool:
@@ -159,7 +171,7 @@ def from_rank0(env: DistEnv, what: str, fn: Callable[[], T]) -> T:
             raise
         _write_atomic(local, word)
     else:
-        word = _wait(env, local, local_beat, what, LOCAL_POLL_S)
+        word = _wait(env, local, local_beat, what, LOCAL_POLL_S, fallback=path)
     status, value = word
     if status == "error":
         raise RuntimeError(f"rank 0 failed to {what}: {value}")
@@ -168,15 +180,21 @@ def from_rank0(env: DistEnv, what: str, fn: Callable[[], T]) -> T:
     return value
 
 
-def _wait(env: DistEnv, path: Path, beat: Path, what: str, longest: float) -> tuple[str, Any]:
-    """Rank 0's word from ``path``, looked for with pauses from 2 ms doubling to ``longest``; a RuntimeError if
-    rank 0's heartbeat ``beat`` (when this node has one) stops changing."""
-    began = last_said = time.time()
+def _wait(env: DistEnv, path: Path, beat: Path, what: str, longest: float,
+          fallback: Path | None = None) -> tuple[str, Any]:
+    """Rank 0's word from ``path`` (or from ``fallback``, looked at every :data:`FALLBACK_S`), looked for with pauses
+    from 2 ms doubling to ``longest``; a RuntimeError if rank 0's heartbeat ``beat`` (when this node has one) stops
+    changing."""
+    began = last_said = last_fallback = time.time()
     pause, seen, seen_at = 0.002, None, time.time()
     while not path.exists():
         time.sleep(pause)
         pause = min(pause * 2, longest)
         now = time.time()
+        if fallback is not None and now - last_fallback >= FALLBACK_S:
+            last_fallback = now
+            if fallback.exists():  # this node's copy is late (or its first rank is gone): rank 0's own word
+                return pickle.loads(fallback.read_bytes())
         try:
             mark = beat.stat().st_mtime_ns
         except FileNotFoundError:

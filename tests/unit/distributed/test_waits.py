@@ -69,7 +69,7 @@ def test_one_rank_per_node_looks_at_the_shared_directory_backing_off_and_its_nod
     their node's local copy), and every rank gets rank 0's value."""
     monkeypatch.setenv("KDSWEEP_CACHE", str(tmp_path / "cache"))
     (tmp_path / "tmp").mkdir()
-    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))  # each node's local copies, here
+    monkeypatch.setenv("KDSWEEP_NODE_TMP", str(tmp_path / "tmp"))  # each node's local copies, here
     gloo_ranks(_nodes, str(tmp_path), tmp_path=tmp_path, nprocs=4, timeout_s=TIMEOUT_S)
     got = [(tmp_path / f"nodes{r}.txt").read_text().split("|") for r in range(4)]
     assert [g[0] for g in got] == ["done"] * 4
@@ -77,3 +77,23 @@ def test_one_rank_per_node_looks_at_the_shared_directory_backing_off_and_its_nod
     assert looks[1] == looks[3] == 0 and 0 < looks[2] <= 30, looks
     nodes = sorted(p.name.rsplit("-", 1)[1] for p in (tmp_path / "tmp").glob("kdsweep-waits-*"))
     assert nodes == ["node0", "node1"]  # rank 0's copy for its node, node 1's first rank's for its own
+
+
+def _apart(rank: int, out: str, own: str) -> None:
+    from kdsweep.distributed import waits
+    from kdsweep.distributed.env import DistEnv
+
+    if rank == 3:  # a rank whose node directory is not its node's (a per-process temp dir): its copy never comes
+        os.environ["KDSWEEP_NODE_TMP"] = own
+    waits.FALLBACK_S = 0.5
+    env = DistEnv(rank=rank, world_size=4, local_world_size=2, local_rank=rank % 2, source="local")
+    got = waits.from_rank0(env, "sleep", lambda: (time.sleep(2), "done")[1])
+    with open(os.path.join(out, f"apart{rank}.txt"), "w") as f:
+        f.write(got)
+
+
+def test_a_rank_whose_node_copy_never_comes_hears_rank_0_from_the_shared_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("KDSWEEP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("KDSWEEP_NODE_TMP", str(tmp_path / "node"))
+    gloo_ranks(_apart, str(tmp_path), str(tmp_path / "elsewhere"), tmp_path=tmp_path, nprocs=4, timeout_s=TIMEOUT_S)
+    assert [(tmp_path / f"apart{r}.txt").read_text() for r in range(4)] == ["done"] * 4
