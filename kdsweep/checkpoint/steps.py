@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from kdsweep.config.base import JobError
-from kdsweep.distributed import DistEnv
+from kdsweep.distributed import DistEnv, comm
 from kdsweep.distributed.waits import from_rank0
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -89,7 +89,7 @@ def save(
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp, no_dist=not dist.active)
         torch.save({**state, "rng": rng_state()}, tmp / f"state_rank{dist.rank}.pt")
     except BaseException as e:  # DCP's CheckpointException is a BaseException
-        left, needed = shutil.disk_usage(root).free, _nbytes(model_sd) + _nbytes(optim_sd)
+        left, needed = shutil.disk_usage(root).free, comm.nbytes(model_sd) + comm.nbytes(optim_sd)
         shutil.rmtree(tmp, ignore_errors=True)  # never a half checkpoint; and what it wrote is freed for run.json
         full = no_space(e)
         if full is None and (left >= needed or not isinstance(e, (Exception, CheckpointException))):
@@ -134,17 +134,6 @@ def disk_full(error: OSError | None, root: Path, final: Path, needed: int) -> Jo
     return JobError(f"no space left to write the checkpoint {final.name} ({where}): it needs about {mb(needed)} on "
                     f"this rank, {mb(free)} is free in {root}; free some space there (or set output_dir elsewhere) "
                     f"and run the job again: it resumes from {last.name if last is not None else 'the start'}")
-
-
-def _nbytes(state: Any) -> int:
-    if isinstance(state, torch.Tensor):
-        local = getattr(state, "_local_tensor", state)  # a DTensor: this rank's shard
-        return local.numel() * local.element_size()
-    if isinstance(state, dict):
-        return sum(_nbytes(v) for v in state.values())
-    if isinstance(state, (list, tuple)):
-        return sum(_nbytes(v) for v in state)
-    return 0
 
 
 def _prune(root: Path, keep_last: int) -> None:

@@ -137,11 +137,15 @@ def _group_shape(group: Any) -> tuple[int, bool]:
     return _shape_of(id(group), ranks, max(_STATE.ranks_per_node, 1)) if ranks else (1, False)
 
 
-def _nbytes(t: Any) -> int:
+def nbytes(t: Any) -> int:
+    """Bytes of the tensors in ``t`` (a tensor, or lists, tuples and dicts of them; a DTensor: this rank's shard)."""
     if isinstance(t, torch.Tensor):
-        return t.numel() * t.element_size()
+        local = getattr(t, "_local_tensor", t)
+        return local.numel() * local.element_size()
+    if isinstance(t, dict):
+        return sum(nbytes(x) for x in t.values())
     if isinstance(t, (list, tuple)):
-        return sum(_nbytes(x) for x in t)
+        return sum(nbytes(x) for x in t)
     return 0
 
 
@@ -180,8 +184,8 @@ def _counted(kind: str, fn: Callable, payload: Callable[[inspect.BoundArguments]
             group = _functional_group(group)
         n, cross = _group_shape(group)
         owner = _OWNER.get() or (_GROUP_OWNERS.get(id(group)) if kind == "all_reduce" else None) or OTHER
-        nbytes = _nbytes(payload(bound)) * (n if functional and kind == "all_gather" else 1)  # its shard: n of them
-        TALLY.add(owner, kind, _wire(kind, nbytes, n, kind in ROOTED and _is_root(bound, group)), cross)
+        size = nbytes(payload(bound)) * (n if functional and kind == "all_gather" else 1)  # its shard: n of them
+        TALLY.add(owner, kind, _wire(kind, size, n, kind in ROOTED and _is_root(bound, group)), cross)
         entry = {"t": time.time(), "kind": kind, "owner": owner, "n": n}
         _log({**entry, "phase": "start"})
         _inside.depth = 1
