@@ -78,6 +78,8 @@ def begin(env: DistEnv) -> None:
     _GROUP.local = node_root() / f"kdsweep-waits-{_GROUP.token}-node{env.node}" if even else None
     if env.is_main:
         _GROUP.root.mkdir(parents=True, exist_ok=True)
+    if _GROUP.local is not None and _node_first(env):  # the rank that writes its node's copies
+        _GROUP.local.mkdir(parents=True, exist_ok=True)
 
 
 def node_root() -> Path:
@@ -110,7 +112,6 @@ class _Heartbeat:
     def __init__(self, *paths: Path) -> None:
         self.paths, self.stopped = paths, threading.Event()
         for path in paths:
-            path.parent.mkdir(parents=True, exist_ok=True)
             path.touch()
         self.thread = threading.Thread(target=self._beat, daemon=True, name="kdsweep-rank0-heartbeat")
         self.thread.start()
@@ -131,7 +132,6 @@ class _Heartbeat:
 def _write_atomic(path: Path | None, payload: Any) -> None:
     if path is None:
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
     tmp.write_bytes(pickle.dumps(payload))
     os.replace(tmp, path)
