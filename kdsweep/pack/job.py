@@ -130,7 +130,9 @@ def together(runs: Sequence[RunSteps], dist: DistEnv,
     teachers share them); then one :func:`~kdsweep.train.step.train_step` for the members furthest behind (all of
     them, unless some resumed from later checkpoints), on the micro-batches the first of them asked for, every member
     sent its own stats. A member that ends or raises leaves (its error is its result: its run has recorded it), and
-    so does one whose loss is not finite (its run records a FloatingPointError); ``left()`` is called as each leaves.
+    so does one whose loss is not finite (its run records a FloatingPointError) or whose own forward or backward
+    raised in the step (out of memory, say: its run records that error; the others' step is unchanged);
+    ``left()`` is called as each leaves.
     An error of the pack's own (its shared step or evaluation, an interrupt) is thrown into every member still in it
     (each run records it), then raised."""
     results: list[RunResult | BaseException | None] = [None] * len(runs)
@@ -175,7 +177,9 @@ def together(runs: Sequence[RunSteps], dist: DistEnv,
                 _same_rows(asks, now[0], i, f"micro-batches at step {behind + 1}")
             stats = train_step([asks[i].learner for i in now], lead.micro, dist=dist, compute=lead.compute)
             for i, s in zip(now, stats):
-                if math.isfinite(s.loss):
+                if isinstance(s, Exception):  # its own forward or backward failed (out of memory, say): it leaves
+                    advance(i, lambda i=i, s=s: runs[i].throw(s))
+                elif math.isfinite(s.loss):
                     advance(i, lambda i=i, s=s: runs[i].send(s))
                 else:  # it leaves: the others no longer pay for its steps
                     advance(i, lambda i=i, s=s: runs[i].throw(FloatingPointError(

@@ -115,9 +115,15 @@ def train_step(
     *,
     dist: DistEnv,
     compute: Callable[[], ContextManager] = contextlib.nullcontext,
-) -> list[StepStats]:
+) -> list[StepStats | Exception]:
     """One optimizer step of each learner: accumulate its gradients over ``micro_batches``, clip, step its optimizer
     and schedule; its stats, in the learners' order.
+
+    A learner whose own forward or backward raises (a pack's member out of memory, say) on one rank, while others
+    train beside it, gets that error in place of its stats (its traceback dropped, so what its graph held is freed);
+    its gradients are discarded, it takes no optimizer step, and the others' steps are what they would have been
+    without it. Alone, on several ranks (where the ranks must agree on who steps), or in what the learners share (the
+    targets, the token count), an error is raised.
 
     Every micro-batch's loss is a *sum* over its valid tokens divided by the valid tokens of the whole step on
     all ranks, so the gradient equals that of the token-mean loss of the global batch, however the batch is
@@ -141,19 +147,34 @@ def train_step(
         sources.setdefault(key, learner.teacher)  # the first learner's source makes what its key's learners read
     for source in sources.values():
         source.prefetch(micro_batches)  # a cache reads each micro-batch's targets while the one before trains
+    isolated = len(learners) > 1 and dist.world_size == 1
+    failed: dict[int, Exception] = {}
     for batch in micro_batches:
         with contextlib.ExitStack() as held:
             given: dict[Hashable, Targets] = {}
             for i, (key, learner) in enumerate(zip(keys, learners)):
+                if i in failed:
+                    continue
                 if key not in given:
                     with compute():  # a live teacher's forward runs here, once for the learners that share it
                         given[key] = held.enter_context(sources[key].targets(batch))
-                sums = micro_batch_backward(learner.student, given[key], batch, learner.loss_cfg, scale, compute,
-                                            learner.chunks)
+                try:
+                    sums = micro_batch_backward(learner.student, given[key], batch, learner.loss_cfg, scale, compute,
+                                                learner.chunks)
+                except Exception as e:
+                    if not isolated:
+                        raise
+                    failed[i] = e.with_traceback(None)
+                    learner.optimizer.zero_grad(set_to_none=True)
+                    continue
                 totals[i] += torch.stack([sums.ce, sums.kd, sums.kl])
             given.clear()  # the batch's targets go now, not when the next batch's are made (two would be held)
     norms, lrs = [], []
-    for learner in learners:
+    for i, learner in enumerate(learners):
+        if i in failed:
+            norms.append(torch.zeros(()))
+            lrs.append(0.0)
+            continue
         params = [p for p in learner.student.parameters() if p.requires_grad]
         # max_norm=inf measures the norm without clipping.
         norm = torch.nn.utils.clip_grad_norm_(params, learner.max_grad_norm if learner.max_grad_norm > 0 else math.inf)
@@ -165,10 +186,10 @@ def train_step(
     dist.all_reduce_sum(totals)
     means = (totals / global_tokens.clamp_min(1.0)).tolist()  # host syncs only here, after the optimizer steps
     tokens, stats = int(global_tokens.item()), []
-    for learner, (ce, kd, kl), norm, lr in zip(learners, means, norms, lrs):
+    for i, (learner, (ce, kd, kl), norm, lr) in enumerate(zip(learners, means, norms, lrs)):
         r = micro_batches[0].kd_weight(learner.loss_cfg.kd_ratio)  # a step's micro-batches: all data or generated
-        stats.append(StepStats(loss=(1 - r) * ce + r * kd, ce=ce, kd=kd, kl=kl, tokens=tokens, grad_norm=float(norm),
-                               lr=lr))
+        stats.append(failed.get(i) or StepStats(loss=(1 - r) * ce + r * kd, ce=ce, kd=kd, kl=kl, tokens=tokens,
+                                                grad_norm=float(norm), lr=lr))
     return stats
 
 

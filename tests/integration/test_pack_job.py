@@ -95,6 +95,21 @@ def assert_same_run(packed: Path, alone: Path, tol: float = 1e-5, status: str = 
         torch.testing.assert_close(wa[k], wb[k], atol=tol, rtol=0)
 
 
+_ALONE: dict[tuple[Path, str], list[Path]] = {}
+
+
+def alone(root: Path, logits: str) -> list[Path]:
+    """The run directories of :data:`MEMBERS` each trained alone on one rank (once per module and ``logits``)."""
+    from kdsweep.train import run
+
+    if (root, logits) not in _ALONE:
+        cfgs = [config(root, f"{logits}-alone-{i}", m, logits, merged=i == 0) for i, m in enumerate(MEMBERS)]
+        for cfg in cfgs:
+            run(cfg)
+        _ALONE[root, logits] = [Path(cfg.output_dir) for cfg in cfgs]
+    return _ALONE[root, logits]
+
+
 @pytest.mark.parametrize("logits", ["live", "cache", "teachers"])
 def test_each_member_of_a_pack_is_the_trial_run_alone(root, logits):
     """Four members (ranks 4/8/16/8, two learning rates and schedules, kd_ratio 0/0.5/1, forward KL and JSD at three
@@ -102,7 +117,6 @@ def test_each_member_of_a_pack_is_the_trial_run_alone(root, logits):
     with a live teacher, a ``full`` cache, and two teachers one of which has another tokenizer; member 0 also exports
     its merged student (a copy: the base the others share is left as it was)."""
     from kdsweep.pack import run_pack
-    from kdsweep.train import run
 
     packed = [config(root, f"{logits}-pack-{i}", m, logits, merged=i == 0) for i, m in enumerate(MEMBERS)]
     results = run_pack(packed)
@@ -110,10 +124,8 @@ def test_each_member_of_a_pack_is_the_trial_run_alone(root, logits):
     if logits == "teachers":  # the second teacher's targets came across tokenizers
         targets = read_run(Path(packed[1].output_dir))["teacher_targets"]["teachers"]
         assert len(targets) == 2 and "cross_tokenizer" in targets[1] and "cross_tokenizer" not in targets[0]
-    for i, m in enumerate(MEMBERS):
-        solo = config(root, f"{logits}-alone-{i}", m, logits, merged=i == 0)
-        run(solo)
-        assert_same_run(Path(packed[i].output_dir), Path(solo.output_dir))
+    for i, solo in enumerate(alone(root, logits)):
+        assert_same_run(Path(packed[i].output_dir), solo)
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -123,6 +135,42 @@ def test_each_member_of_a_pack_is_the_trial_run_alone(root, logits):
     assert model.peft_config["default"].r == 16
     merged = AutoModelForCausalLM.from_pretrained(Path(packed[0].output_dir) / "final" / "merged")
     assert merged.config.vocab_size == model.config.vocab_size
+
+
+TWO_RANKS = """
+import sys
+from pathlib import Path
+sys.path[:0] = [{tests!r}, str(Path({tests!r}).parent)]
+import torch
+from kdsweep import app
+from kdsweep.pack import run_pack
+from test_pack_job import MEMBERS, config
+torch.set_num_threads(1)
+cfgs = [config(Path({root!r}), f"{logits}-ranks2-{{i}}", m, {logits!r}, merged=i == 0) for i, m in enumerate(MEMBERS)]
+with app.SESSION.joined(cfgs[0]) as env:
+    results = run_pack(cfgs, dist=env)
+assert [r.status for r in results] == ["completed"] * len(cfgs), results
+"""
+
+
+@pytest.mark.parametrize("logits", ["live", "cache", "teachers"])
+def test_each_member_of_a_two_rank_pack_is_the_trial_run_alone(root, logits):
+    """The same four members as one pack on two ranks (torchrun: each member's student sharded as its trial's, the
+    rows split between the ranks) give each trial's rows, objective and exported adapter alone on one rank, within
+    1e-5, with a live teacher, a ``full`` cache, and two teachers one of which has another tokenizer."""
+    import subprocess
+    import sys
+
+    solos = alone(root, logits)  # first: the data and the cache are made by one process, as a sweep's prepare does
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    script = TWO_RANKS.format(tests=str(Path(__file__).parent), root=str(root), logits=logits)
+    proc = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "--no-python", sys.executable, "-c",
+                           script], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for i, solo in enumerate(solos):
+        packed = root / "runs" / f"{logits}-ranks2-{i}"
+        assert read_run(packed)["world_size"] == 2
+        assert_same_run(packed, solo)
 
 
 def test_a_pack_runs_the_teacher_once_per_micro_batch(root):
@@ -157,22 +205,38 @@ class PruneAt:
         return step >= self.step
 
 
-def test_members_that_are_pruned_or_turn_nan_leave_and_the_others_are_unchanged(root):
-    """A member pruned at its first evaluation and one whose loss turns non-finite leave the pack (pruned; failed with
-    the reason in its run.json); the other two train on, equal to each trial alone, and the pruned one's rows are its
-    solo run's."""
+def test_members_that_are_pruned_or_turn_nan_leave_and_the_others_are_unchanged(root, monkeypatch):
+    """A member pruned at its first evaluation, one whose loss turns non-finite and one whose backward runs out of
+    memory in its third step leave the pack (pruned; failed with the reason in its run.json); the other two train on,
+    equal to each trial alone, and the pruned one's rows are its solo run's."""
+    import kdsweep.train.step as step
     from kdsweep.pack import run_pack
     from kdsweep.train import run
 
     nan = dict(MEMBERS[2], optim=dict(lr=float("inf"), max_grad_norm=0.0))
-    members = [MEMBERS[1], MEMBERS[2], nan, MEMBERS[3]]
+    oom = dict(MEMBERS[0], loss=dict(kd_ratio=0.0, temperature=3.0))  # its temperature marks it (kd_ratio=0: unused)
+    members = [MEMBERS[1], MEMBERS[2], nan, MEMBERS[3], oom]
+    real, calls = step.micro_batch_backward, []
+
+    def out_of_memory(student, targets, batch, loss_cfg, *args):
+        calls.append(loss_cfg.temperature)
+        if loss_cfg.temperature == 3.0 and calls.count(3.0) == 5:  # step 3's first micro-batch (2 per step)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+        return real(student, targets, batch, loss_cfg, *args)
+
+    monkeypatch.setattr(step, "micro_batch_backward", out_of_memory)
     cfgs = [config(root, f"leave-pack-{i}", m) for i, m in enumerate(members)]
-    reporters = [PruneAt(10**9), PruneAt(2), PruneAt(10**9), PruneAt(10**9)]
+    reporters = [PruneAt(10**9), PruneAt(2), PruneAt(10**9), PruneAt(10**9), PruneAt(10**9)]
     results = run_pack(cfgs, reporters=reporters)
-    assert [getattr(r, "status", None) for r in results] == ["completed", "pruned", None, "completed"]
+    monkeypatch.undo()
+    assert [getattr(r, "status", None) for r in results] == ["completed", "pruned", None, "completed", None]
     failed = read_run(Path(cfgs[2].output_dir))
     assert failed["status"] == "failed" and "not finite" in failed["error"]
     assert isinstance(results[2], FloatingPointError)
+    assert isinstance(results[4], torch.OutOfMemoryError)
+    lost = read_run(Path(cfgs[4].output_dir))
+    assert lost["status"] == "failed" and lost["error"].startswith("OutOfMemoryError: CUDA out of memory")
+    assert [r["step"] for r in read_metrics(Path(cfgs[4].output_dir)) if r["kind"] == "train"] == [1, 2]
     assert read_run(Path(cfgs[1].output_dir))["steps"] == 2
     for i in (0, 1, 3):
         solo = config(root, f"leave-alone-{i}", members[i])
@@ -201,13 +265,12 @@ def test_what_cannot_be_packed_is_one_line_before_anything_runs(root, change, hi
 TWO_TEACHERS = "teachers=[{zoo:tiny-teacher,weight:1},{zoo:tiny-teacher-other,weight:2}]"  # one across tokenizers
 
 
-@pytest.mark.parametrize("ranks,teacher", [(1, []), (2, []), (2, ["teacher.logits=cache", "teacher.cache.method=full"]),
-                                           (2, [TWO_TEACHERS])], ids=["1-live", "2-live", "2-full-cache", "2-teachers"])
+@pytest.mark.parametrize("ranks,teacher", [(1, []), (2, [TWO_TEACHERS])], ids=["1-live", "2-teachers"])
 def test_a_grid_packed_from_the_command_line_is_the_grid_run_job_by_job(tmp_path, ranks, teacher):
     """``-m kd_ratio=0,0.5 hydra/launcher=kdsweep_pack`` trains the grid as one pack on the embedded default (on 1
-    rank, or on 2 local ranks it spawns; on 2 ranks also with a ``full`` teacher cache, and with two teachers one of
-    which has another tokenizer): every job's directory, run.json, objective and rows as Hydra's basic launcher gives
-    them, job by job."""
+    rank, and on 2 local ranks it spawns with two teachers, one of which has another tokenizer): every job's
+    directory, run.json, objective and rows as Hydra's basic launcher gives them, job by job. (A pack on 2 ranks with
+    a live teacher and a ``full`` cache: :func:`test_each_member_of_a_two_rank_pack_is_the_trial_run_alone`.)"""
     from conftest import QUIET, kdsweep
 
     grid = ["-m", "kd_ratio=0,0.5", "lr=3e-3", "lora_rank=4", "train.max_steps=3", "train.eval_every=2",
@@ -224,7 +287,7 @@ def test_a_grid_packed_from_the_command_line_is_the_grid_run_job_by_job(tmp_path
         if teacher and teacher[0] == TWO_TEACHERS:  # the second teacher's targets came across tokenizers
             assert [("cross_tokenizer" in t) for t in targets["teachers"]] == [False, True]
         else:
-            assert (targets["source"], targets.get("method")) == (("cache", "full") if teacher else ("live", None))
+            assert targets["source"] == "live"
         rows_a, rows_b = (read_metrics(tmp_path / arm / str(job)) for arm in ("packed", "basic"))
         assert [(r["kind"], r["step"]) for r in rows_a] == [(r["kind"], r["step"]) for r in rows_b]
         for ra, rb in zip(rows_a, rows_b):
