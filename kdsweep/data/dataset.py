@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kdsweep.config.schema import ConfigError, DataConfig, DatasetConfig
+from kdsweep.data import integrity
 from kdsweep.data.cache import built_once
 from kdsweep.data.formats import FormatSpec, Sample, chat_template, render
 from kdsweep.data.mixing import split_indices, weighted_mix
@@ -78,7 +79,7 @@ def load_data(cfg: DataConfig, tokenizer: Any, tokenizer_dir: Path, ignore_index
             (tmp / "stats.json").write_text(json.dumps(stats, indent=1))
     test = final / "test.pt"
     data = RunData(Rows.load(final / "train.pt"), Rows.load(final / "eval.pt"),
-                   Rows.load(test) if test.is_file() else None, json.loads((final / "stats.json").read_text()), final,
+                   Rows.load(test) if test.is_file() else None, integrity.read_json(final / "stats.json"), final,
                    reused=tmp is None, seconds=time.perf_counter() - t0)
     if data.reused:
         log.info("data: reused the tokenization cache %s (nothing tokenized; loaded in %.3f s)", final, data.seconds)

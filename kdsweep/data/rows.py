@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
+from kdsweep.data import integrity
 from kdsweep.data.batch import Batch
 from kdsweep.data.views import View, ViewTable
 
@@ -61,14 +62,15 @@ class Rows:
 
     def save(self, path: Path) -> None:
         tensors = {k: getattr(self, k) for k in FIELDS if getattr(self, k) is not None}
-        torch.save({**tensors, "pad_id": self.pad_id, "ignore_index": self.ignore_index}, path)
+        integrity.save({**tensors, "pad_id": self.pad_id, "ignore_index": self.ignore_index}, path)
         if self.views is not None:
             self.views.save(path.with_suffix(".views.pt"))
 
     @classmethod
     def load(cls, path: Path) -> "Rows":
-        """Memory-mapped: pages are read when rows are used, and shared by every process that maps the file."""
-        d = torch.load(path, mmap=True, weights_only=True)
+        """Memory-mapped: pages are read when rows are used, and shared by every process that maps the file;
+        checked against its checksums first (:func:`kdsweep.data.integrity.load`)."""
+        d = integrity.load(path)
         views = path.with_suffix(".views.pt")
         return cls(*(d.get(k) for k in FIELDS), pad_id=d["pad_id"], ignore_index=d["ignore_index"],
                    views=ViewTable.load(views) if views.is_file() else None)

@@ -15,6 +15,8 @@ from typing import Sequence
 
 import torch
 
+from kdsweep.data import integrity
+
 Offset = tuple[int, int]
 
 
@@ -78,11 +80,11 @@ class ViewTable:
         return ViewTable({**self.t, "row_docs": self.t["row_docs"][: n + 1]})
 
     def save(self, path: Path) -> None:
-        torch.save(self.t, path)
+        integrity.save(self.t, path)
 
     @classmethod
     def load(cls, path: Path) -> "ViewTable":
-        return cls(torch.load(path, mmap=True, weights_only=True))
+        return cls(integrity.load(path))
 
 
 __all__ = ["View", "ViewTable"]

@@ -25,6 +25,7 @@ from typing import Any, Sequence
 
 import torch
 
+from kdsweep.data import integrity
 from kdsweep.data.batch import Batch
 from kdsweep.data.cache import built_once
 from kdsweep.teacher.align import Span, align_spans
@@ -174,11 +175,11 @@ class AlignedRows:
         return BatchPlan.of([self.row(i) for i in batch.rows.tolist()], batch.input_ids.shape[1], self.pad_id)
 
     def save(self, path: Path) -> None:
-        torch.save(self.t, path)
+        integrity.save(self.t, path)
 
     @classmethod
     def load(cls, path: Path, pad_id: int) -> "AlignedRows":
-        return cls(torch.load(path, mmap=True, weights_only=True), pad_id)
+        return cls(integrity.load(path), pad_id)
 
 
 def plans_key(teacher: Any, max_positions: int, ignore_index: int) -> str:

@@ -17,7 +17,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,7 @@ from torch import nn
 from kdsweep.config.schema import ConfigError
 from kdsweep.data.batch import Batch
 from kdsweep.data.cache import built_once
+from kdsweep.data.integrity import SummedFile
 from kdsweep.data.rows import Rows
 from kdsweep.data.sampling import stream_seed
 from kdsweep.distributed import DistEnv, failure
@@ -90,13 +91,16 @@ def sparse_fields(logp: torch.Tensor, spec: Spec, generator: torch.Generator | N
             "tail_logp": tail}
 
 
-def _write(f: BinaryIO, t: torch.Tensor) -> None:
-    f.write(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+def _write(f: SummedFile, t: torch.Tensor) -> None:
+    f.write(t.detach().contiguous().cpu().view(torch.uint8).numpy())
 
 
 def _write_file(path: Path, t: torch.Tensor) -> None:
-    with open(path, "wb") as f:
+    f = SummedFile(path)
+    try:
         _write(f, t)
+    finally:
+        f.close()
 
 
 RowFields = Callable[[int, int, int], dict[str, torch.Tensor]]
@@ -134,7 +138,7 @@ def write_split(teacher: Producer, sel: Selection, split: str, spec: Spec, out: 
     start, end = share(len(sel.selected), dist.rank, dist.world_size)
     mine = sel.selected[start:end].tolist()
     longest = -(-len(sel.selected) // dist.world_size)
-    files = {name: open(out / f"{split}.{name}.{dist.rank}", "wb") for name in spec.fields()}
+    files = {name: SummedFile(out / f"{split}.{name}.{dist.rank}") for name in spec.fields()}  # with checksums
     computed = 0
     try:
         for first in range(0, max(longest, 1), batch_rows):

@@ -143,4 +143,7 @@ def cache_dir(cfg: RunConfig, spec: Spec, teacher_dir: Path, data_key: str, cove
 
 
 def read_meta(path: Path) -> dict[str, Any]:
-    return json.loads((path / "meta.json").read_text())
+    """A cache's ``meta.json``; one line when it is missing or not JSON (the cache is damaged)."""
+    from kdsweep.data.integrity import read_json
+
+    return read_json(path / "meta.json")

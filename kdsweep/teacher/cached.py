@@ -11,6 +11,7 @@ from typing import Callable, Hashable, Iterator, Sequence
 import torch
 
 from kdsweep.data.batch import Batch
+from kdsweep.data.integrity import CheckedFile
 from kdsweep.data.rows import Rows
 from kdsweep.losses.targets import Logits, Samples, Targets, TopK
 from kdsweep.teacher.build import DTYPES
@@ -33,6 +34,7 @@ class CachedSplit:
         meta = read_meta(path)
         self.spec, self.path, self.split = Spec(**meta["spec"]), path, split
         info = meta["splits"][split]
+        CheckedFile(path / f"{split}.rows").check_all()  # every file: there, with its size; each block when read
         selected = torch.from_file(str(path / f"{split}.rows"), shared=False, size=info["rows"], dtype=torch.int64)
         if info["of_rows"] != len(rows) or int(rows.lengths[selected].sum()) != info["positions"]:
             raise ValueError(f"the teacher cache {path} was built for other {split} rows than these")
@@ -45,12 +47,13 @@ class CachedSplit:
         self.filled = torch.tensor([i for i, p in enumerate(self.parts) if p["count"]], dtype=torch.long)
         self.filled_starts = torch.tensor([self.parts[i]["start"] for i in self.filled.tolist()], dtype=torch.long)
         self.maps: dict[str, list[torch.Tensor]] = {}
+        self.checked: dict[str, list[CheckedFile]] = {}
         for name, (dtype, width) in self.spec.fields().items():
-            self.maps[name] = [
-                torch.from_file(str(path / f"{split}.{name}.{p['rank']}"), shared=False, size=p["count"] * width,
-                                dtype=DTYPES[dtype]).view(p["count"], width)
-                for p in self.parts
-            ]
+            files = [path / f"{split}.{name}.{p['rank']}" for p in self.parts]
+            self.checked[name] = [CheckedFile(f) for f in files]
+            self.maps[name] = [torch.from_file(str(f), shared=False, size=p["count"] * width,
+                                               dtype=DTYPES[dtype]).view(p["count"], width)
+                               for f, p in zip(files, self.parts)]
 
     def _part_of(self, positions: torch.Tensor) -> torch.Tensor:
         """``[B]`` the part (the file of the rank that wrote it) holding each position: the last non-empty part that
@@ -86,6 +89,9 @@ class CachedSplit:
         """``[cells, width]`` field ``name`` as ``plan`` places it (zero in the cells no part fills); the host buffer
         pinned when a GPU will read it."""
         dtype, width = self.spec.fields()[name]
+        row_bytes = self.maps[name][0].element_size() * width
+        for i, _, offsets in plan:  # the blocks these positions lie in, each checked the first time it is read
+            self.checked[name][i].check_rows(offsets, row_bytes)
         if plan and plan[0][1] is None:  # every cell from one part: one gather, nothing to zero
             buf = signed_bits(self.maps[name][plan[0][0]])[plan[0][2]].view(DTYPES[dtype])
             return buf.pin_memory() if torch.cuda.is_available() else buf
