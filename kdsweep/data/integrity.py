@@ -119,7 +119,9 @@ class CheckedFile:
             raise damaged(path, f"is {size} bytes, {sums['size']} when it was written "
                                 f"({'truncated' if size < sums['size'] else 'grown'})")
         self.crcs, self.block = np.frombuffer(bytes.fromhex(sums["crc32"]), dtype="<u4"), sums["block"]
-        self.done = torch.zeros(len(self.crcs), dtype=torch.bool)
+        stat = os.stat(path)  # the blocks this process checked: every reader of this file here shares them
+        self.done = _CHECKED.setdefault((str(path), stat.st_size, stat.st_mtime_ns),
+                                        torch.zeros(len(self.crcs), dtype=torch.bool))
 
     def check_rows(self, rows: torch.Tensor, row_bytes: int) -> None:
         """Check the blocks holding rows ``rows`` (int64 indices) of ``row_bytes`` bytes each, not checked yet."""
@@ -162,7 +164,15 @@ def read_json(path: Path) -> Any:
 
 
 _WARNED: set[str] = set()
-_LOADED: set[tuple[str, int, int]] = set()
+_CHECKED: dict[tuple[str, int, int], torch.Tensor] = {}
+"""(path, size, mtime) → which of its blocks this process checked: a warm worker's later trials do not check them
+again."""
+
+
+def forget() -> None:
+    """Forget which blocks this process checked: every block is checked again when next read, as in a fresh
+    process."""
+    _CHECKED.clear()
 
 
 def _warn_unchecked(path: Path) -> None:
@@ -181,14 +191,9 @@ def save(obj: Any, path: Path) -> None:
 def load(path: Path) -> Any:
     """``torch.load`` memory-mapped, after the whole file is checked against its sidecar (once per process and
     version of the file)."""
-    checked = CheckedFile(path)
-    stat = os.stat(path)
-    key = (str(path), stat.st_size, stat.st_mtime_ns)
-    if key not in _LOADED:
-        checked.check_all()
-        _LOADED.add(key)
+    CheckedFile(path).check_all()
     return torch.load(path, mmap=True, weights_only=True)
 
 
-__all__ = ["BLOCK", "CheckedFile", "SUFFIX", "Summer", "SummedFile", "damaged", "load", "read_json", "save",
-           "sum_file", "sums_path"]
+__all__ = ["BLOCK", "CheckedFile", "SUFFIX", "Summer", "SummedFile", "damaged", "forget", "load", "read_json",
+           "save", "sum_file", "sums_path"]

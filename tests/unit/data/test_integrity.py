@@ -5,6 +5,7 @@ blocks are checked by the rows a batch reads, each block once per process."""
 from __future__ import annotations
 
 import json
+import os
 import zlib
 from pathlib import Path
 
@@ -74,11 +75,19 @@ def test_a_changed_byte_is_refused_by_the_rows_whose_blocks_hold_it_and_only_by_
 
 def test_each_block_is_checked_once_per_process(tmp_path, small_blocks):
     path = _file(tmp_path, 10, 24)
-    checked = integrity.CheckedFile(path)
-    checked.check_rows(torch.tensor([0, 1, 2]), 24)  # blocks 0 and 1
-    _flip(path, 10)  # block 0 changes after this process checked it: not read again by this one
-    checked.check_rows(torch.tensor([0]), 24)
-    with pytest.raises(JobError, match="block 0 of 4"):  # a fresh reader (another process) checks it
+    integrity.CheckedFile(path).check_rows(torch.tensor([0, 1, 2]), 24)  # blocks 0 and 1, by one reader
+    stat = path.stat()
+    data = bytearray(path.read_bytes())
+    data[10] ^= 0xFF  # block 0 goes bad in place (bit rot: same size and mtime) after this process checked it
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    integrity.CheckedFile(path).check_rows(torch.tensor([0]), 24)  # another reader here (a warm worker's next trial)
+    _flip(path, 130)  # block 2, which no reader here has checked yet
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    with pytest.raises(JobError, match="block 2 of 4"):
+        integrity.CheckedFile(path).check_rows(torch.tensor([5]), 24)  # row 5: bytes 120-143, blocks 1 and 2
+    integrity.forget()  # another process
+    with pytest.raises(JobError, match="block 0 of 4"):
         integrity.CheckedFile(path).check_rows(torch.tensor([0]), 24)
 
 
