@@ -7,16 +7,17 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-# The suite runs in two pytest-xdist workers (addopts: -n 2): most of its time is jobs of one busy thread (a
-# process's imports, a tiny model's steps, a controller's polls), so one job alone left a core of this 2-core
-# machine idle for a quarter of a serial run. Two workers keep both cores busy, and so every job the tests start
-# gets one intra-op thread, as each of two concurrent trials gets one from the controller: torch's default of
-# a thread per core would make two jobs' threads wait on each other at every step. A job that sets
-# train.threads, or an environment that sets OMP_NUM_THREADS, keeps its own.
+# The suite runs in three pytest-xdist workers (addopts: -n 3) on this 2-core machine: most of its time is jobs of
+# one busy thread (a process's imports, a tiny model's steps), but much of it waits (SLURM's scheduling, a
+# controller's polls, a server starting): with two workers both cores were busy for only 77% of CI's run (53 of 68
+# core-minutes), and a third worker's jobs fill those waits. Every job the tests start gets one intra-op thread, as
+# each of two concurrent trials gets one from the controller: torch's default of a thread per core would make
+# concurrent jobs' threads wait on each other at every step. A job that sets train.threads, or an environment that
+# sets OMP_NUM_THREADS, keeps its own.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # The embedded zoo is built from scratch once per cache, as a user's first run builds it. A session that runs
-# integration tests starts building it at once, in one background process (one thread), while both workers
+# integration tests starts building it at once, in one background process (one thread), while the workers
 # run the unit tests (first in testpaths); a test that needs a model before it is done waits on the build's
 # lock (kdsweep.data.cache.built_once), as a user's second job would. Nothing is built twice.
 BACKGROUND_ZOO = ("tiny-teacher", "tiny-student", "tiny-teacher-other")
@@ -51,12 +52,12 @@ SHARED = {  # file -> the file whose artefact it reads
     "tests/integration/test_slurm_jobs.py": "tests/integration/test_cli_run.py",  # smoke_run
 }
 LONGEST_FIRST = [f"tests/integration/test_{name}.py" for name in (
-    "architectures", "slurm_cluster", "presets",  # no embedded model
-    # then by CI's per-file times, the SHARED pairs summed
-    "launch", "multirank", "teacher_cache", "teacher_placement", "rollout", "cross_tokenizer", "sweep", "analysis",
-    "hf_models", "workers", "verdict", "docs", "rank_failures", "cli_run", "slurm_workers", "slurm_confirm",
-    "prepare", "budget_mixed", "data_jobs", "eval", "gpu_check", "rank0_waits",
-    "slurm_sweep", "bad_input")]
+    "architectures", "slurm_cluster", "presets",  # no embedded model: one per worker while the zoo builds
+    # then by CI's per-file times, the SHARED groups summed
+    "docs", "launch", "teacher_cache", "multirank", "sweep", "verdict", "workers", "cross_tokenizer", "pack_job",
+    "hf_models", "rollout", "cli_run", "budget_mixed", "slurm_workers", "eval", "teacher_placement", "bad_input",
+    "data_jobs", "slurm_confirm", "rank_failures", "analysis", "slurm_sweep", "rank0_waits", "gpu_check", "prepare",
+    "resume", "hints", "slurm_pack", "damaged_artefacts", "tracking", "pack_sweep", "wheel", "vocab")]
 
 
 def _group(nodeid: str) -> str:
