@@ -7,13 +7,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-# The suite runs in three pytest-xdist workers (addopts: -n 3) on this 2-core machine: most of its time is jobs of
-# one busy thread (a process's imports, a tiny model's steps), but much of it waits (SLURM's scheduling, a
-# controller's polls, a server starting): with two workers both cores were busy for only 77% of CI's run (53 of 68
-# core-minutes), and a third worker's jobs fill those waits. Every job the tests start gets one intra-op thread, as
-# each of two concurrent trials gets one from the controller: torch's default of a thread per core would make
-# concurrent jobs' threads wait on each other at every step. A job that sets train.threads, or an environment that
-# sets OMP_NUM_THREADS, keeps its own.
+# The suite runs in two pytest-xdist workers (addopts: -n 2), one per core of this 2-core machine: most of its time
+# is jobs of one busy thread (a process's imports, a tiny model's steps, a controller's polls). It is CPU-bound: with
+# three workers the cores were busy 94% of CI's run and CI took longer (36:08 against 34:51; the SLURM jobs' CPU is
+# slurmd's, not the test processes'), so only less work makes it faster. Every job the tests start gets one
+# intra-op thread, as each of two concurrent trials gets one from the controller: torch's default of a thread per
+# core would make two jobs' threads wait on each other at every step. A job that sets train.threads, or an
+# environment that sets OMP_NUM_THREADS, keeps its own.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # The embedded zoo is built from scratch once per cache, as a user's first run builds it. A session that runs
@@ -52,7 +52,7 @@ SHARED = {  # file -> the file whose artefact it reads
     "tests/integration/test_slurm_jobs.py": "tests/integration/test_cli_run.py",  # smoke_run
 }
 LONGEST_FIRST = [f"tests/integration/test_{name}.py" for name in (
-    "architectures", "slurm_cluster", "presets",  # no embedded model: one per worker while the zoo builds
+    "architectures", "slurm_cluster", "presets",  # no embedded model: run while the zoo builds
     # then by CI's per-file times, the SHARED groups summed
     "docs", "launch", "teacher_cache", "multirank", "sweep", "verdict", "workers", "cross_tokenizer", "pack_job",
     "hf_models", "rollout", "cli_run", "budget_mixed", "slurm_workers", "eval", "teacher_placement", "bad_input",
