@@ -79,8 +79,8 @@ def load_data(cfg: DataConfig, tokenizer: Any, tokenizer_dir: Path, ignore_index
             (tmp / "stats.json").write_text(json.dumps(stats, indent=1))
     test = final / "test.pt"
     data = RunData(Rows.load(final / "train.pt"), Rows.load(final / "eval.pt"),
-                   Rows.load(test) if test.is_file() else None, integrity.read_json(final / "stats.json"), final,
-                   reused=tmp is None, seconds=time.perf_counter() - t0)
+                   Rows.load(test) if test.is_file() else None, integrity.read_artefact_json(final / "stats.json"),
+                   final, reused=tmp is None, seconds=time.perf_counter() - t0)
     if data.reused:
         log.info("data: reused the tokenization cache %s (nothing tokenized; loaded in %.3f s)", final, data.seconds)
     else:

@@ -103,7 +103,7 @@ class CheckedFile:
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
-            size = os.stat(path).st_size
+            stat = os.stat(path)
         except FileNotFoundError:
             raise damaged(path, "is missing") from None
         try:
@@ -115,11 +115,11 @@ class CheckedFile:
             return
         except (ValueError, KeyError):
             raise damaged(sums_path(path), "is not the JSON of a file's checksums") from None
-        if size != sums["size"]:
-            raise damaged(path, f"is {size} bytes, {sums['size']} when it was written "
-                                f"({'truncated' if size < sums['size'] else 'grown'})")
+        if stat.st_size != sums["size"]:
+            raise damaged(path, f"is {stat.st_size} bytes, {sums['size']} when it was written "
+                                f"({'truncated' if stat.st_size < sums['size'] else 'grown'})")
         self.crcs, self.block = np.frombuffer(bytes.fromhex(sums["crc32"]), dtype="<u4"), sums["block"]
-        stat = os.stat(path)  # the blocks this process checked: every reader of this file here shares them
+        # the blocks this process checked: every reader of this version of the file here shares them
         self.done = _CHECKED.setdefault((str(path), stat.st_size, stat.st_mtime_ns),
                                         torch.zeros(len(self.crcs), dtype=torch.bool))
 
@@ -129,7 +129,7 @@ class CheckedFile:
             return
         first = rows * row_bytes // self.block
         last = ((rows + 1) * row_bytes - 1) // self.block
-        spans = (last - first + 1)
+        spans = last - first + 1
         blocks = first.repeat_interleave(spans) + torch.arange(int(spans.sum())) - \
             (spans.cumsum(0) - spans).repeat_interleave(spans)
         self._check(torch.unique(blocks))
@@ -152,7 +152,7 @@ class CheckedFile:
         self.done[todo] = True
 
 
-def read_json(path: Path) -> Any:
+def read_artefact_json(path: Path) -> Any:
     """An artefact's JSON file (a teacher cache's ``meta.json``, a tokenization cache's ``stats.json``); one line
     when it is missing or not JSON."""
     try:
@@ -195,5 +195,5 @@ def load(path: Path) -> Any:
     return torch.load(path, mmap=True, weights_only=True)
 
 
-__all__ = ["BLOCK", "CheckedFile", "SUFFIX", "Summer", "SummedFile", "damaged", "forget", "load", "read_json",
-           "save", "sum_file", "sums_path"]
+__all__ = ["BLOCK", "CheckedFile", "SUFFIX", "Summer", "SummedFile", "damaged", "forget", "load",
+           "read_artefact_json", "save", "sum_file", "sums_path"]

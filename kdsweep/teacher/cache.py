@@ -144,6 +144,6 @@ def cache_dir(cfg: RunConfig, spec: Spec, teacher_dir: Path, data_key: str, cove
 
 def read_meta(path: Path) -> dict[str, Any]:
     """A cache's ``meta.json``; one line when it is missing or not JSON (the cache is damaged)."""
-    from kdsweep.data.integrity import read_json
+    from kdsweep.data.integrity import read_artefact_json
 
-    return read_json(path / "meta.json")
+    return read_artefact_json(path / "meta.json")
