@@ -125,7 +125,7 @@ class CheckedFile:
 
     def check_rows(self, rows: torch.Tensor, row_bytes: int) -> None:
         """Check the blocks holding rows ``rows`` (int64 indices) of ``row_bytes`` bytes each, not checked yet."""
-        if not len(self.crcs) or not len(rows):
+        if not len(rows) or bool(self.done.all()):  # no sidecar (done is empty), or every block checked already
             return
         first = rows * row_bytes // self.block
         last = ((rows + 1) * row_bytes - 1) // self.block
