@@ -17,17 +17,28 @@ from torch import nn
 from kdsweep.distributed.fsdp import hf_model
 
 
-def output_layer(model: nn.Module) -> nn.Module:
-    """The model's output layer; refused when the model transforms its logits after it (the fused loss would
-    score untransformed logits)."""
-    from kdsweep.config.schema import ConfigError
+def logit_transform(model: nn.Module) -> tuple[str, Any] | None:
+    """(config field, value) of a transform the model applies to its logits after its output layer
+    (:data:`~kdsweep.models.check.LOGIT_TRANSFORMS`: Gemma 2's soft-capping, ...), or None: its output layer's
+    projection of its final hidden states is its logits."""
     from kdsweep.models.check import LOGIT_TRANSFORMS  # preflight refuses these first, from config.json
 
     config = getattr(hf_model(model), "config", None)
     for name in LOGIT_TRANSFORMS:
         if getattr(config, name, None) not in (None, 1, 1.0):
-            raise ConfigError(f"loss.impl=fused: {type(hf_model(model)).__name__} applies {name}="
-                              f"{getattr(config, name)} to its logits after the output layer; use loss.impl=chunked")
+            return name, getattr(config, name)
+    return None
+
+
+def output_layer(model: nn.Module) -> nn.Module:
+    """The model's output layer; refused when the model transforms its logits after it (the fused loss would
+    score untransformed logits)."""
+    from kdsweep.config.schema import ConfigError
+
+    transform = logit_transform(model)
+    if transform is not None:
+        raise ConfigError(f"loss.impl=fused: {type(hf_model(model)).__name__} applies {transform[0]}="
+                          f"{transform[1]} to its logits after the output layer; use loss.impl=chunked")
     return hf_model(model).get_output_embeddings()
 
 

@@ -17,7 +17,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +30,10 @@ from kdsweep.data.integrity import SummedFile
 from kdsweep.data.rows import Rows
 from kdsweep.data.sampling import stream_seed
 from kdsweep.distributed import DistEnv, failure
+from kdsweep.distributed.fsdp import hf_model
 from kdsweep.distributed.waits import from_rank0
+from kdsweep.losses.blocks import block_rows
+from kdsweep.models.heads import frozen_hidden, frozen_projection, logit_transform
 from kdsweep.teacher.cache import CACHE_VERSION, SPLITS, Spec
 from kdsweep.teacher.check import size
 
@@ -103,31 +106,45 @@ def _write_file(path: Path, t: torch.Tensor) -> None:
         f.close()
 
 
-RowFields = Callable[[int, int, int], dict[str, torch.Tensor]]
-"""(a row's place in the batch, its index in the split, its length) → field → ``[length, width]``."""
+RowFields = Callable[[int, int, int], Iterator[dict[str, torch.Tensor]]]
+"""(a row's place in the batch, its index in the split, its length) → its positions' fields, a block of positions at
+a time, in order: field → ``[positions of the block, width]``."""
 
-Producer = Callable[[Batch, str], tuple[RowFields, int]]
-"""What a teacher gives the cache for one batch of a split: its rows' fields, and the teacher tokens it computed."""
+Producer = Callable[[Batch, str], contextlib.AbstractContextManager[tuple[RowFields, int]]]
+"""What a teacher gives the cache for one batch of a split (a context: what the rows' fields are computed from lives
+as long as it): its rows' fields, and the teacher tokens it computed."""
 
 
 class PlainTargets:
-    """A teacher that shares the student's tokenizer (a :data:`Producer`): :func:`row_targets` of its logits, each
-    row's draws seeded by the row, so that they do not depend on the batch or the rank."""
+    """A teacher that shares the student's tokenizer (a :data:`Producer`): :func:`row_targets` of its logits, a block
+    of :func:`~kdsweep.losses.blocks.block_rows` positions at a time (a ``[block, V]`` tensor, 32 MB in fp32, whatever
+    the batch), each row's draws seeded by the row, so that they do not depend on the batch or the rank. The forward
+    gives the final hidden states ``[B, T, H]`` and each block is projected by the output layer (as the fused loss's
+    live teacher is: no ``[B, T, V]`` tensor exists), but for a teacher that transforms its logits after its output
+    layer (Gemma 2's soft-capping: :func:`~kdsweep.models.heads.logit_transform`), whose own forward's logits are
+    read a block at a time."""
 
     def __init__(self, model: nn.Module, spec: Spec, ignore_index: int, device: torch.device) -> None:
         self.model, self.spec, self.ignore_index = model, spec, ignore_index
         self.generator = torch.Generator(device=device) if spec.method == "sample" else None
+        self.fused = logit_transform(model) is None
+        rows = hf_model(model).get_output_embeddings().weight.shape[0]
+        self.block = block_rows(rows)
 
-    def __call__(self, batch: Batch, split: str) -> tuple[RowFields, int]:
-        logits = self.model(**batch.inputs()).logits
+    @contextlib.contextmanager
+    def __call__(self, batch: Batch, split: str) -> Iterator[tuple[RowFields, int]]:
+        inputs = batch.inputs()
+        out = frozen_hidden(self.model, inputs) if self.fused else self.model(**inputs).logits
+        with frozen_projection(self.model) if self.fused else contextlib.nullcontext(lambda rows: rows) as head:
+            def row(r: int, index: int, length: int) -> Iterator[dict[str, torch.Tensor]]:
+                if self.generator is not None:  # any rank, any batch: the same draws (one stream through the blocks)
+                    self.generator.manual_seed(stream_seed(self.spec.seed, split, index))
+                for a in range(0, length, self.block):
+                    b = min(a + self.block, length)
+                    yield row_targets(head(out[r, a:b]), batch.labels[r, a:b], self.spec, self.ignore_index,
+                                      self.generator)
 
-        def row(r: int, index: int, length: int) -> dict[str, torch.Tensor]:
-            if self.generator is not None:
-                self.generator.manual_seed(stream_seed(self.spec.seed, split, index))  # any rank: the same draws
-            return row_targets(logits[r, :length], batch.labels[r, :length], self.spec, self.ignore_index,
-                               self.generator)
-
-        return row, batch.input_ids.numel()
+            yield row, batch.input_ids.numel()
 
 
 @torch.no_grad()
@@ -144,12 +161,13 @@ def write_split(teacher: Producer, sel: Selection, split: str, spec: Spec, out: 
         for first in range(0, max(longest, 1), batch_rows):
             idx = mine[first:first + batch_rows]
             batch = sel.rows.batch(idx or [0]).to(device)  # an empty share still runs the forward, writes nothing
-            row_fields, tokens = teacher(batch, split)
-            computed += tokens
-            for r, row in enumerate(idx):
-                length = int(sel.rows.offsets[row + 1] - sel.rows.offsets[row])
-                for name, values in row_fields(r, row, length).items():
-                    _write(files[name], values)
+            with teacher(batch, split) as (row_fields, tokens):
+                computed += tokens
+                for r, row in enumerate(idx):
+                    length = int(sel.rows.offsets[row + 1] - sel.rows.offsets[row])
+                    for block in row_fields(r, row, length):  # each field's file: the row's blocks in order
+                        for name, values in block.items():
+                            _write(files[name], values)
             progress(len(idx))
     finally:
         for f in files.values():

@@ -156,7 +156,8 @@ class ReadAhead:
 
 class CachedTeacher(TeacherSource):
     """The teacher's targets for the rows of one split, from its cache (a :class:`~kdsweep.teacher.TeacherSource`);
-    the fields of the batches it is told come next are read ahead (:class:`ReadAhead`)."""
+    the fields of the batches it is told come next are read ahead (:class:`ReadAhead`), but ``full``'s logits: those
+    are read from the memory map a block of rows at a time, as the loss uses them (:meth:`full`)."""
 
     def __init__(self, split: CachedSplit, device: torch.device) -> None:
         self.split, self.device = split, device
@@ -174,19 +175,30 @@ class CachedTeacher(TeacherSource):
         return "cache", str(self.split.path), self.split.split, str(self.device)
 
     def prefetch(self, batches: Sequence[Batch]) -> None:
-        self.ahead.expect(batches)
+        if self.split.spec.method != "full":
+            self.ahead.expect(batches)
+
+    def full(self, batch: Batch) -> Logits:
+        """A ``full`` cache's logits of the batch's cells as :class:`Logits` of "hidden states" that are the cells'
+        indices ``[N, 1]``, which the head reads from the memory map: the loss projects a block of rows at a time
+        (:meth:`Logits._block_log_probs`), so the block's rows are all it holds of them (a memory map's pages are
+        the kernel's file cache, not this process's), never the batch's ``[N, V]``."""
+        where = self.split.cells(batch.rows, batch.input_ids.shape[1])  # once per batch; each block read from it
+        read = lambda at: self.split.gather_at(where, "logits", at[:, 0]).to(self.device, non_blocking=True)
+        cells = torch.arange(batch.input_ids.numel()).unsqueeze(-1)
+        return Logits(hidden=cells, head=read, rows=self.split.spec.vocab)
 
     @contextmanager
     def targets(self, batch: Batch) -> Iterator[Targets]:
         if batch.rows is None:
             raise ValueError("a cached teacher needs batches made by Rows.batch (they carry their row indices)")
         self.tokens_read += batch.input_ids.numel()
-        raw = self.ahead.get(batch)
-        fields = {k: v.to(self.device, non_blocking=True).reshape(-1, v.shape[-1]) for k, v in raw.items()}
         spec = self.split.spec
         if spec.method == "full":
-            yield Logits(logits=fields["logits"])
+            yield self.full(batch)
             return
+        raw = self.ahead.get(batch)
+        fields = {k: v.to(self.device, non_blocking=True).reshape(-1, v.shape[-1]) for k, v in raw.items()}
         common = {"ids": fields["ids"], "label_logp": fields["label_logp"].squeeze(-1),
                   "temperature": spec.temperature, "vocab": spec.vocab}
         if spec.method == "sample":

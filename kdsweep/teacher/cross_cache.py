@@ -15,6 +15,7 @@ for GOLD's and ULD's sorted part) — about 100 bytes per position at a 152k voc
 
 from __future__ import annotations
 
+import bisect
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
@@ -22,6 +23,7 @@ import torch
 
 from kdsweep.data.batch import Batch
 from kdsweep.losses.aligned import Aligned, KeptSpans, kept_distribution
+from kdsweep.losses.blocks import block_rows
 from kdsweep.data.sampling import stream_seed
 from kdsweep.teacher.build import DTYPES, RowFields, sparse_fields
 from kdsweep.teacher.cache import Spec
@@ -30,33 +32,55 @@ from kdsweep.teacher.cross import CrossTargets, CrossTokenizerTeacher
 from kdsweep.teacher.source import TeacherSource
 
 
+def span_blocks(built: CrossTargets, unaligned: list[int], rows: int, length: int, spec: Spec,
+                seeds: Sequence[int] = ()) -> RowFields:
+    """A batch of ``rows`` rows of ``length`` positions as the cache's fields, a row's positions a block of
+    :func:`~kdsweep.losses.blocks.block_rows` at a time (a :data:`~kdsweep.teacher.build.RowFields`, field →
+    ``[block, width]`` on the CPU): each block's spans projected alone (:meth:`LiveSpans.select`), so no
+    ``[spans, Vt]`` tensor exists. ``seeds``: per row, the seed of its draws (``sample``: a row's draws do not depend
+    on its batch; one stream through its blocks)."""
+    t = built.targets
+    heads = t.head.cpu()
+    starts = heads.tolist()
+    widths = torch.tensor([last - first for first, last in t.extent], dtype=torch.int32)
+    block = block_rows(spec.vocab)
+
+    def row(r: int, index: int, row_length: int) -> Iterator[dict[str, torch.Tensor]]:
+        generator, base = None, r * length
+        for a in range(0, row_length, block):
+            b = min(a + block, row_length)
+            lo, hi = bisect.bisect_left(starts, base + a), bisect.bisect_left(starts, base + b)
+            out = {name: torch.zeros(b - a, width, dtype=DTYPES[dtype])
+                   for name, (dtype, width) in spec.fields().items()}
+            out["span"][:] = -1
+            if a == 0:  # at each row's first position
+                out["row_counts"][0] = torch.tensor([built.row_dropped[r], unaligned[r]])
+            if hi > lo:
+                at, part = heads[lo:hi] - base - a, t.teacher.select(lo, hi - lo)
+                if spec.method == "full":
+                    out["logits"][at] = part.head_logits().cpu().to(out["logits"].dtype)
+                else:
+                    logp = part.head_log_probs(spec.temperature).float()
+                    if spec.method == "sample" and generator is None:
+                        generator = torch.Generator(device=logp.device)
+                        generator.manual_seed(seeds[r])
+                    for name, values in sparse_fields(logp, spec, generator).items():
+                        signed_bits(out[name])[at] = signed_bits(values.cpu())
+                out["span"][at, 0] = widths[lo:hi]
+                for column, temperature in enumerate((spec.temperature, 1.0)):
+                    out["cont_logp"][at, column] = part.cont_logp(temperature).float().cpu()
+                out["nll"][at, 0] = part.nll().float().cpu()
+            yield out
+
+    return row
+
+
 def span_fields(built: CrossTargets, unaligned: list[int], rows: int, length: int, spec: Spec,
                 seeds: Sequence[int] = ()) -> dict[str, torch.Tensor]:
-    """A batch's targets as the cache's fields, field → ``[rows, length, width]`` (on the CPU); ``seeds``: per row, the
-    seed of its draws (``sample``: a row's draws do not depend on its batch)."""
-    t, n = built.targets, rows * length
-    head = t.head.cpu()
-    out = {name: torch.zeros(n, width, dtype=DTYPES[dtype]) for name, (dtype, width) in spec.fields().items()}
-    if spec.method == "full":
-        out["logits"][head] = t.teacher.head_logits().cpu().to(out["logits"].dtype)
-    else:  # each row's spans (heads ascend, row by row), its draws seeded by the row
-        logp = t.teacher.head_log_probs(spec.temperature).float()
-        bounds = torch.searchsorted(head, torch.arange(rows + 1) * length).tolist()
-        generator = torch.Generator(device=logp.device) if spec.method == "sample" else None
-        for b in range(rows):
-            if generator is not None:
-                generator.manual_seed(seeds[b])
-            at = slice(bounds[b], bounds[b + 1])
-            for name, values in sparse_fields(logp[at], spec, generator).items():
-                signed_bits(out[name])[head[at]] = signed_bits(values.cpu())
-    out["span"][:] = -1
-    out["span"][head, 0] = torch.tensor([last - first for first, last in t.extent], dtype=torch.int32)
-    for column, temperature in enumerate((spec.temperature, 1.0)):
-        out["cont_logp"][head, column] = t.teacher.cont_logp(temperature).float().cpu()
-    out["nll"][head, 0] = t.teacher.nll().float().cpu()
-    counts = out["row_counts"].view(rows, length, 2)[:, 0]  # at each row's first position
-    counts[:, 0], counts[:, 1] = torch.tensor(built.row_dropped), torch.tensor(unaligned)
-    return {k: v.reshape(rows, length, -1) for k, v in out.items()}
+    """:func:`span_blocks` of a whole batch at once, field → ``[rows, length, width]``."""
+    row = span_blocks(built, unaligned, rows, length, spec, seeds)
+    blocks = [list(row(r, r, length)) for r in range(rows)]
+    return {name: torch.stack([torch.cat([b[name] for b in bs]) for bs in blocks]) for name in spec.fields()}
 
 
 class SpanTargets:
@@ -65,13 +89,13 @@ class SpanTargets:
     def __init__(self, source: CrossTokenizerTeacher, spec: Spec) -> None:
         self.source, self.spec = source, spec
 
-    def __call__(self, batch: Batch, split: str) -> tuple[RowFields, int]:
+    @contextmanager
+    def __call__(self, batch: Batch, split: str) -> Iterator[tuple[RowFields, int]]:
         before = self.source.tokens_computed
         seeds = [stream_seed(self.spec.seed, split, int(r)) for r in batch.rows.tolist()]
         with self.source.built(batch, split) as (built, unaligned):
-            fields = span_fields(built, unaligned, *batch.input_ids.shape, self.spec, seeds)
-        return (lambda r, index, length: {k: v[r, :length] for k, v in fields.items()}), \
-            self.source.tokens_computed - before
+            yield (span_blocks(built, unaligned, *batch.input_ids.shape, self.spec, seeds),
+                   self.source.tokens_computed - before)
 
 
 class CachedCrossTeacher(TeacherSource):
@@ -153,4 +177,4 @@ def from_fields(raw: dict[str, torch.Tensor], labels: torch.Tensor, spec: Spec, 
     return targets, dropped, unaligned
 
 
-__all__ = ["CachedCrossTeacher", "SpanTargets", "from_fields", "sparse_head", "span_fields"]
+__all__ = ["CachedCrossTeacher", "SpanTargets", "from_fields", "sparse_head", "span_blocks", "span_fields"]

@@ -98,11 +98,21 @@ class CrossPair:
     fused: bool = False
     """``loss.impl=fused``: the teacher's final hidden states, projected one chunk's spans at a time."""
 
-    def live(self, model: torch.nn.Module, split: str = "train") -> Any:
-        """The live teacher of ``split``'s rows."""
+    def live(self, model: torch.nn.Module, split: str = "train", fused: bool | None = None) -> Any:
+        """The live teacher of ``split``'s rows (``fused``: whether it gives its hidden states; default
+        :attr:`fused`)."""
         from kdsweep.teacher.cross import CrossTokenizerTeacher
 
-        return CrossTokenizerTeacher(model, self.reads, split=split, fused=self.fused, **self.scoring)
+        fused = self.fused if fused is None else fused
+        return CrossTokenizerTeacher(model, self.reads, split=split, fused=fused, **self.scoring)
+
+    def producer(self, model: torch.nn.Module, spec: Spec) -> Any:
+        """What the teacher gives its cache: its hidden states projected a block of spans at a time, unless it
+        transforms its logits after its output layer."""
+        from kdsweep.models.heads import logit_transform
+        from kdsweep.teacher.cross_cache import SpanTargets
+
+        return SpanTargets(self.live(model, fused=logit_transform(model) is None), spec)
 
 
 def cross_pair(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: RunData, device: torch.device) -> CrossPair:
@@ -191,7 +201,7 @@ def cached_teacher(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: R
     """The teacher's targets from its cache, built first by this job's ranks if nobody has yet (``pair``: a teacher
     with another tokenizer, whose targets the cache keeps on the student's positions)."""
     from kdsweep.teacher.build import PlainTargets
-    from kdsweep.teacher.cross_cache import CachedCrossTeacher, SpanTargets
+    from kdsweep.teacher.cross_cache import CachedCrossTeacher
 
     if pair is None:
         spec = Spec.of(cfg, min(vocab_size(teacher_dir), vocab_size(student_dir)))
@@ -201,7 +211,7 @@ def cached_teacher(cfg: RunConfig, teacher_dir: Path, student_dir: Path, data: R
                      "kl": SEMANTICS[spec.method][1].format(k=spec.k, t=spec.temperature)}
     else:
         spec = Spec.of(cfg, pair.teacher_vocab, aligned=True)
-        produce = lambda: SpanTargets(pair.live(load()), spec)
+        produce = lambda: pair.producer(load(), spec)
         source = lambda split: CachedCrossTeacher(split, device, pair.scoring)
         described = {**pair.record, "kl": pair.record["kl"].replace("at T=1", f"at T={spec.temperature:g}")} \
             if spec.method != "full" else pair.record

@@ -364,3 +364,29 @@ def test_a_fused_cross_tokenizer_evaluation_keeps_no_chunk_s_teacher_rows_once_t
                       dist=single_process(), chunks=4)
     assert len(alive_at_each_projection) >= 4 and max(alive_at_each_projection) == 0
     assert math.isfinite(result.teacher_ce) and result.teacher_ce > 0
+
+
+@pytest.mark.parametrize("method", ["full", "topk", "sample"])
+def test_the_cache_of_a_teacher_with_another_tokenizer_is_built_a_block_of_positions_at_a_time(method, monkeypatch):
+    """Blocks of 3 positions (each block's spans projected alone) write what one block per row writes: the same
+    logits, top tokens, draws (one stream per row through its blocks), continuations and counts."""
+    from kdsweep.losses import blocks
+    from kdsweep.teacher.cache import Spec
+    from kdsweep.teacher.cross_cache import span_fields
+
+    rows = student_rows("byte_level", True, T=40)
+    batch = rows.batch(torch.arange(2))
+    t = tokenizer("metaspace")
+    spec = Spec(method=method, k=0 if method == "full" else 12, temperature=2.0, seed=3, vocab=len(t),
+                dtype="float32", aligned=True)
+    cross = source("byte_level", "metaspace", tiny_model(len(t), seed=4), rows, loss="gold")
+    fields = []
+    for elements in (blocks.BLOCK_ELEMENTS, 3 * len(t)):
+        monkeypatch.setattr(blocks, "BLOCK_ELEMENTS", elements)
+        with cross.built(batch) as (built, unaligned):
+            fields.append(span_fields(built, unaligned, *batch.input_ids.shape, spec, (7, 8)))
+    whole, blocked = fields
+    assert whole.keys() == blocked.keys() == spec.fields().keys()
+    for name in whole:
+        torch.testing.assert_close(blocked[name], whole[name], rtol=1e-6, atol=1e-6, msg=name)
+    assert all(bool(whole[name].any()) for name in whole if name != "row_counts")  # every field holds something
