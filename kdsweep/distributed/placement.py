@@ -7,10 +7,14 @@ A frozen teacher needs no optimizer and no gradient, so on several ranks it can 
   node): each micro-batch all-gathers it inside the node only, never across the network between nodes.
 - ``world``: sharded over every rank: each micro-batch all-gathers all of its weights across the whole job.
 
-``auto`` replicates a teacher when its weights in their dtype, beside the student's share of the rank (its weights,
-and for each trainable parameter its fp32 master, gradient and AdamW moments, sharded as the student is) and the
-teachers already replicated, fit ``1 - dist.memory_headroom`` of the rank's memory (``dist.device_memory_gb``, or the
-device's own), else shards it per node. Several teachers are placed one after another. The student is sharded
+``auto`` replicates a teacher when its weights in their dtype fit ``1 - dist.memory_headroom`` of the rank's memory
+(``dist.device_memory_gb``, or the device's own) beside everything else the rank holds while it runs, else shards it
+per node. Beside a live teacher: the student's share of the rank (its weights, and for each trainable parameter its
+fp32 master, gradient and AdamW moments, sharded as the student is) and a training step's activations and loss path
+(the memory model, :mod:`kdsweep.models.memory`); beside a teacher that builds a cache, only the build's own
+working memory (the student is not loaded until it is done). Several teachers are placed one after another, each
+beside what those placed before it really take on a rank: a replicated one its weights, one sharded per node its
+share and what it gathers whole while it runs (its output layer and two decoder layers). The student is sharded
 (``fsdp``: over every rank; ``hsdp``: within each node, replicated across nodes). The meshes are built once per
 process group, and :class:`Placement` is all that ``models.load`` needs: neither the loop nor the teachers see one.
 """
@@ -103,22 +107,38 @@ def student_placement(cfg: DistConfig, env: DistEnv, weight_bytes: int = 0) -> P
     return Placement("fsdp", f"{why}: sharded over all {env.world_size} ranks", env.world_size, env.nodes, weight_bytes)
 
 
-def teacher_placements(cfg: DistConfig, env: DistEnv, teacher_bytes: list[int], student_bytes_per_rank: float,
-                       device: torch.device) -> list[Placement]:
-    """Each teacher's placement, in order (an ``auto`` teacher counts the teachers replicated before it)."""
+@dataclass(frozen=True)
+class TeacherSize:
+    """What a teacher holds on a rank, by how it is placed."""
+
+    weights: int
+    """All its weights, in the dtype they are held in."""
+    whole: int = 0
+    """What a sharded copy still holds unsharded while it runs: its output layer (gathered through the loss that
+    projects with it) and two decoder layers (the one that runs, the one prefetched)."""
+
+    def per_rank(self, shard_ranks: int) -> float:
+        return self.weights if shard_ranks <= 1 else self.weights / shard_ranks + min(self.whole, self.weights)
+
+
+def teacher_placements(cfg: DistConfig, env: DistEnv, teachers: list[TeacherSize], beside: float,
+                       device: torch.device, besides: str = "the student's") -> list[Placement]:
+    """Each teacher's placement, in order. An ``auto`` teacher is replicated when its weights fit beside ``beside``
+    bytes per rank (``besides``: what they are: the student's share and its step, or a cache build's) and what the
+    teachers placed before it take on a rank (a replicated one its weights, a sharded one its share and what it
+    gathers whole: :meth:`TeacherSize.per_rank`); else it is sharded per node."""
     if env.world_size == 1:
-        return [Placement("single", "one rank: the whole model on its device", 1, 1, b) for b in teacher_bytes]
+        return [Placement("single", "one rank: the whole model on its device", 1, 1, t.weights) for t in teachers]
     budget, source = budget_bytes(cfg, device, env) if cfg.teacher_placement == "auto" else (0.0, "")
     usable = budget * (1 - cfg.memory_headroom)
-    out, replicated = [], 0.0
-    for nbytes in teacher_bytes:
-        how = cfg.teacher_placement
+    out, placed = [], 0.0
+    for teacher in teachers:
+        how, nbytes = cfg.teacher_placement, teacher.weights
         if how == "auto":
-            need = nbytes + student_bytes_per_rank + replicated
-            fits = need <= usable
+            fits = nbytes + beside + placed <= usable
             how = "replicate" if fits else "node"
-            why = (f"auto: its {size(nbytes)} beside the student's {size(student_bytes_per_rank)} per rank"
-                   + (f" and {size(replicated)} of teachers already replicated" if replicated else "")
+            why = (f"auto: its {size(nbytes)} beside {besides} {size(beside)} per rank"
+                   + (f" and {size(placed)} per rank of the teachers placed before it" if placed else "")
                    + f" {'fit' if fits else 'exceed'} {size(usable)} ({1 - cfg.memory_headroom:.0%} of {size(budget)}, "
                    f"{source})")
         else:
@@ -127,8 +147,7 @@ def teacher_placements(cfg: DistConfig, env: DistEnv, teacher_bytes: list[int], 
             why += f"; one node of {env.world_size} ranks, so sharded over all of them"
         shard = {"replicate": 1, "node": env.local_world_size if env.nodes > 1 else env.world_size,
                  "world": env.world_size}[how]
-        if how == "replicate":
-            replicated += nbytes
+        placed += teacher.per_rank(shard)
         out.append(Placement(how, why, shard, env.nodes, nbytes))
     return out
 

@@ -18,9 +18,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from kdsweep.config.schema import DistConfig, ModelSource, StudentConfig
+from kdsweep.config.schema import DistConfig, ModelSource, RunConfig, StudentConfig
 from kdsweep.distributed import DistEnv, comm, fsdp, single_process
-from kdsweep.distributed.placement import Placement, parameter_bytes, student_placement, teacher_placements
+from kdsweep.distributed.placement import (Placement, TeacherSize, parameter_bytes, student_placement,
+                                           teacher_placements)
 from kdsweep import hub
 from kdsweep.models import targets, zoo
 from kdsweep.models.precision import Precision
@@ -119,20 +120,41 @@ class Plan:
         return {"student": self.student.record(), "teacher": teachers[0] if len(teachers) == 1 else teachers}
 
 
-def plan(student_dir: Path, student: StudentConfig, teacher_dirs: list[Path], dtype: str, seed: int, env: DistEnv,
-         cfg: DistConfig, device: torch.device) -> Plan:
+def teacher_size(model: nn.Module) -> TeacherSize:
+    """What a teacher (on the meta device) holds on a rank by placement: all its weights, and what a sharded copy
+    gathers whole while it runs (its output layer, two decoder layers)."""
+    head = fsdp.hf_model(model).get_output_embeddings()
+    layers = [parameter_bytes(layer) for layer in fsdp.decoder_layers(model)]
+    return TeacherSize(parameter_bytes(model), (parameter_bytes(head) if head is not None else 0) + 2 * max(layers))
+
+
+def plan(cfg: RunConfig, student_dir: Path, teacher_dirs: list[Path], env: DistEnv, device: torch.device) -> Plan:
     """Each model's placement: the student sharded as ``dist.student_mesh`` says, each teacher placed by its size
-    against the rank's budget beside the student (``dist.teacher_placement``). Costs nothing on one rank."""
-    precision = Precision(dtype)
+    against the rank's budget (``dist.teacher_placement``): a live teacher beside the student's share and a training
+    step (the memory model, :mod:`kdsweep.models.memory`) and the teachers placed before it; a teacher that builds
+    a cache beside that build alone (the student is loaded after it, and each teacher's build after the one before
+    it is unloaded). Costs nothing on one rank."""
+    from transformers import AutoConfig
+
+    from kdsweep.models.heads import logit_transform
+    from kdsweep.models.memory import build_bytes, step_bytes
+
+    d, precision = cfg.dist, Precision(cfg.train.dtype)
     if env.world_size == 1:
-        return Plan(student_placement(cfg, env), teacher_placements(cfg, env, [0] * len(teacher_dirs), 0, device))
-    s_bytes, trainable = model_bytes(student_dir, precision.student_dtype(student.lora_rank == 0),
-                                     student_wrapper(student, seed))
-    s_place = student_placement(cfg, env, s_bytes)
+        return Plan(student_placement(d, env),
+                    teacher_placements(d, env, [TeacherSize(0)] * len(teacher_dirs), 0, device))
+    s_bytes, trainable = model_bytes(student_dir, precision.student_dtype(cfg.model.lora_rank == 0),
+                                     student_wrapper(cfg.model, cfg.train.seed))
+    s_place = student_placement(d, env, s_bytes)
+    teachers = [_on_meta(t, precision.frozen_dtype) for t in teacher_dirs]
+    if cfg.teacher.logits != "live":
+        return Plan(s_place, [teacher_placements(d, env, [teacher_size(t)], build_bytes(
+            cfg, t.config, logit_transform(t) is not None), device, "its cache build's")[0] for t in teachers])
     master = torch.finfo(precision.master_dtype).bits // 8
-    per_rank = (s_bytes + trainable * 3 * master) / s_place.shard_ranks  # weights, and a gradient and 2 AdamW moments
-    t_bytes = [model_bytes(d, precision.frozen_dtype)[0] for d in teacher_dirs]
-    return Plan(s_place, teacher_placements(cfg, env, t_bytes, per_rank, device))
+    share = (s_bytes + trainable * 3 * master) / s_place.shard_ranks  # weights, and a gradient and 2 AdamW moments
+    step = step_bytes(cfg, AutoConfig.from_pretrained(student_dir), live_teacher=True)
+    return Plan(s_place, teacher_placements(d, env, [teacher_size(t) for t in teachers], share + step, device,
+                                            "the student's share and a step's"))
 
 
 def load_teacher(
@@ -147,8 +169,8 @@ def load_teacher(
         return model.eval().requires_grad_(False)
 
     if placement is None:
-        nbytes = model_bytes(model_dir, precision.frozen_dtype)[0] if env.world_size > 1 else 0
-        placement = teacher_placements(cfg, env, [nbytes], 0, device)[0]
+        held = teacher_size(_on_meta(model_dir, precision.frozen_dtype)) if env.world_size > 1 else TeacherSize(0)
+        placement = teacher_placements(cfg, env, [held], 0, device)[0]
     return _build(model_dir, precision.frozen_dtype, device, env, cfg, freeze, False, placement, precision, owner)
 
 

@@ -7,12 +7,9 @@ path. Per member: its adapter's weights, their gradients and AdamW's two moments
 grows as ``fixed + K · per_member``; the usable share of the device is ``1 - dist.memory_headroom`` of
 ``dist.device_memory_gb`` (or the device's own memory: the GPU's, or the host's over its local ranks).
 
-The step's terms, per micro-batch of ``N = micro_batch_size · seq_len`` tokens (Korthikanti et al. 2022, a fused
-attention kernel: no ``seq²`` scores): activations kept for backward ``34·h`` bytes per token per student layer in
-16 bits (twice that in fp32); with activation checkpointing each layer's input ``2·h`` plus one layer's ``34·h``;
-the loss path over a vocabulary ``V``: ``fused`` about 4 fp32 chunks, each at most ``loss.chunk_mb`` MiB,
-``chunked`` about ``10·N·V`` bytes, plus a live teacher's ``2·N·V`` logits. Growth: linear in K (adapters), in N
-and in the student's width and depth (activations), in V (the loss path, up to the chunk).
+The step's terms (its activations and loss path) are the memory model's (:mod:`kdsweep.models.memory`), which the
+teachers' placement counts too. Growth: linear in K (adapters), in N and in the student's width and depth
+(activations), in V (the loss path, up to the chunk).
 """
 
 from __future__ import annotations
@@ -23,21 +20,7 @@ from typing import Sequence
 import torch
 
 from kdsweep.config.schema import RunConfig
-
-MIB = 2**20
-
-
-def activation_bytes(tokens: int, layers: int, hidden: int, checkpointing: bool, bytes_per_value: int = 2) -> float:
-    """Activations a student's step keeps for its backward (one micro-batch of ``tokens``)."""
-    per_layer = 34 * hidden * bytes_per_value / 2
-    return tokens * (layers * 2 * hidden + per_layer) if checkpointing else tokens * layers * per_layer
-
-
-def loss_path_bytes(tokens: int, vocab: int, impl: str, chunk_mb: float, live_teacher: bool) -> float:
-    """What the KD loss holds for one micro-batch of ``tokens`` over a vocabulary ``vocab``."""
-    if impl == "fused":
-        return 4 * min(4 * tokens * vocab, chunk_mb * MIB)
-    return 10 * tokens * vocab + (2 * tokens * vocab if live_teacher else 0)
+from kdsweep.models.memory import activation_bytes, loss_path_bytes, step_bytes
 
 
 @dataclass(frozen=True)
@@ -89,12 +72,7 @@ def plan(cfgs: Sequence[RunConfig], device: torch.device | None, device_gb: floa
     live = cfg.teacher.logits == "live"
     teachers = sum(model_bytes(resolve_dir(view.teacher, "teacher"), precision.frozen_dtype)[0]
                    for _, view in cfg.teacher_views()) if live else 0
-    shape = AutoConfig.from_pretrained(student_dir)
-    tokens = cfg.data.micro_batch_size * cfg.data.seq_len
-    width = 4 if precision.name == "fp32" else 2  # bytes per activation value
-    step = (activation_bytes(tokens, shape.num_hidden_layers, shape.hidden_size, cfg.dist.activation_checkpointing,
-                             width)
-            + loss_path_bytes(tokens, shape.vocab_size, cfg.loss.impl, cfg.loss.chunk_mb, live))
+    step = step_bytes(cfg, AutoConfig.from_pretrained(student_dir), live)
     if device_gb:
         budget, source = device_gb * 1e9, f"dist.device_memory_gb={device_gb:g}"
     else:

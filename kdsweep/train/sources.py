@@ -97,7 +97,7 @@ def open_sources(cfg: RunConfig, dist: DistEnv, device: torch.device, kept: Kept
             started = time.time() - job_started() - progress["elapsed_s"]
             record.update(teacher_targets={"building": True, "startup_s": started, **progress})
 
-    placed = plan(student_dir, cfg.model, teacher_dirs, cfg.train.dtype, cfg.train.seed, dist, cfg.dist, device)
+    placed = plan(cfg, student_dir, teacher_dirs, dist, device)
     for name, where in (("student", placed.student), *((f"teacher {i}", t) for i, t in enumerate(placed.teachers))):
         if dist.world_size > 1:
             log.info("placement: %s %s (%s)", name, where.how, where.why)

@@ -34,9 +34,10 @@ def placed(tmp_path_factory, zoo_dirs, monkeypatch_module):
     monkeypatch_module.setenv("KDSWEEP_TEST_RANKS_PER_NODE", "2")  # the jobs' processes read it
     cache = ["dist=fsdp2_local", "teacher.logits=cache", "teacher.cache.method=topk"]
     proc, dirs = multirun(root, {
-        # a budget for one teacher beside the student (9 MB usable; each teacher 5.3 MB, the student 1 MB a rank):
-        # the first is replicated, the second exceeds what is left and is sharded per node
-        "two_auto": [*FOUR, *TWO_TEACHERS, "dist.device_memory_gb=0.012"],
+        # a budget for one teacher beside the student (17.9 MiB usable; each teacher 5.0 MiB, the student's share
+        # and a step's activations and loss path 10.6 MiB a rank): the first is replicated, the second exceeds what
+        # is left and is sharded per node
+        "two_auto": [*FOUR, *TWO_TEACHERS, "dist.device_memory_gb=0.025"],
         "two_world": [*FOUR, *TWO_TEACHERS, "dist.teacher_placement=world"],
         "cache_replicated": [*cache, "dist.teacher_placement=replicate", f"teacher.cache.dir={root / 'cache_r'}"],
         "cache_sharded": [*cache, "dist.teacher_placement=world", f"teacher.cache.dir={root / 'cache_s'}"],
@@ -77,7 +78,8 @@ def test_every_placement_trains_the_same_and_auto_takes_each_side_of_its_budget(
     world = read_run(dirs["two_world"])["placement"]["teacher"]
     # each teacher on its own, the first counted against the budget of the second
     assert [(t["placement"], t["sharded_over"], t["nodes"]) for t in two] == [("replicate", 1, 2), ("node", 2, 2)]
-    assert "fit" in two[0]["why"] and "exceed" in two[1]["why"] and "already replicated" in two[1]["why"]
+    assert "fit" in two[0]["why"] and "exceed" in two[1]["why"] and "a step's" in two[0]["why"]
+    assert "5.02 MiB per rank of the teachers placed before it" in two[1]["why"]
     assert [(t["placement"], t["sharded_over"]) for t in world] == [("world", 4), ("world", 4)]
     same_rows(dirs["two_auto"], dirs["two_world"])  # replicated + per node = over the world, to 1e-6
 

@@ -32,3 +32,20 @@ def test_the_largest_pack_and_the_refusal():
         check_fits(one, 2, "k", "{n}", "unpacked")
     with pytest.raises(ConfigError, match="not even one trial fits this device$"):
         check_fits(PackPlan(fixed=21e9, per_member=3e9, usable=20e9, source="x"), 1, "k", "{n}", "unpacked")
+
+
+def test_a_runs_step_and_its_cache_build_are_the_written_formulas():
+    """What the teachers' placement counts beside a teacher (kdsweep.models.memory): a step of 2 rows of 512 tokens
+    of a 16-layer, 2,048-wide student at a 128,256 vocabulary in bf16, and a cache build of a 4,096-wide teacher."""
+    from types import SimpleNamespace as NS
+
+    from kdsweep.models.memory import build_bytes, step_bytes
+
+    cfg = NS(data=NS(micro_batch_size=2, seq_len=512), dist=NS(activation_checkpointing=False), train=NS(dtype="bf16"),
+             loss=NS(impl="fused", chunk_mb=128.0))
+    student, teacher = NS(num_hidden_layers=16, hidden_size=2048, vocab_size=128256), NS(hidden_size=4096,
+                                                                                          vocab_size=128256)
+    assert step_bytes(cfg, student, True) == 1_677_721_600  # 1024 · 16 · 34 · 2048 + 4 chunks of 128 MiB
+    assert build_bytes(cfg, teacher, False) == 276_824_064  # 1024 · 34 · 4096 + 4 fp32 blocks of 8M elements
+    assert build_bytes(cfg, teacher, True) == 539_492_352  # and its [1024, 128256] bf16 logits (soft-capped)
+    assert build_bytes(cfg, NS(hidden_size=64, vocab_size=1000), False) == 10_420_224  # a row's block: 512 · 1000
