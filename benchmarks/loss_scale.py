@@ -6,15 +6,17 @@ tokenizer file is shipped): a Llama-3.1 student (hidden 64, 2 layers, LoRA r8), 
 a Qwen3 teacher (hidden 128, 151,936 output rows). Each arm is one ``python -m kdsweep`` job on the embedded corpus
 (rows of 512 tokens, one micro-batch of ``tokens`` per step), a process of its own:
 
-- teacher kinds: ``live`` (the Llama teacher), ``cache_sample`` / ``cache_topk`` (its teacher-logit cache, built by
-  an unmeasured job first), ``cross_gold`` / ``cross_uld`` (the Qwen3 teacher: another tokenizer, live),
+- teacher kinds: ``live`` (the Llama teacher), ``cache_sample`` / ``cache_topk`` / ``cache_full`` (its teacher-logit
+  cache, built by a job of its own first), ``cross_gold`` / ``cross_uld`` (the Qwen3 teacher: another tokenizer, live),
   ``cross_gold_cache`` / ``cross_uld_cache`` (its cache of ``full`` rows), ``cross_gold_topk`` / ``cross_uld_topk``
   (its sparse cache: the top 12 tokens of each span head and the tail), ``two`` (both teachers live);
 - loss kinds: ``chunked`` and ``fused`` for each;
 - ``ce_only``: ``kd_ratio=0`` with ``fused`` (no teacher in the training steps): the models' own memory (weights,
   activations, optimizer) with no KD loss path, which every arm's peak is compared with.
 
-Each arm runs twice: its memory is measured in a job with glibc's mmap threshold pinned (:data:`MMAP_THRESHOLD` says
+A cache's build job (each kind's cache in its own directory, deleted first) reports ``build_anon_peak_mb``: the
+job's anonymous resident peak until its cache is in place (its start, the teacher's load and the whole build), and
+that peak above ``ce_only``'s whole-life anonymous peak in ``[chunk, V]`` buffers. Each arm runs twice: its memory is measured in a job with glibc's mmap threshold pinned (:data:`MMAP_THRESHOLD` says
 why), its step time in a job with glibc's defaults. Reported per arm: the peak resident memory of the job's trial
 (``peak_mem_mb`` of its train rows: ``VmHWM`` from the trial's start, models loaded, evaluations included), the job's
 whole-life peaks of anonymous and file-backed resident memory (``rss_anon_peak_mb``, ``rss_file_peak_mb``: a
@@ -63,6 +65,7 @@ TEACHERS = {  # teacher kind → overrides ({m}: the models' folder)
     "live": ["teacher.path={m}/llama_teacher"],
     "cache_sample": ["teacher.path={m}/llama_teacher", "teacher.logits=cache", "teacher.cache.method=sample"],
     "cache_topk": ["teacher.path={m}/llama_teacher", "teacher.logits=cache", "teacher.cache.method=topk"],
+    "cache_full": ["teacher.path={m}/llama_teacher", "teacher.logits=cache", "teacher.cache.method=full"],
     "cross_gold": ["teacher.path={m}/qwen3_teacher", "loss.cross_tokenizer=gold"],
     "cross_uld": ["teacher.path={m}/qwen3_teacher", "loss.cross_tokenizer=uld"],
     "cross_gold_cache": ["teacher.path={m}/qwen3_teacher", "loss.cross_tokenizer=gold", "teacher.logits=cache",
@@ -142,15 +145,21 @@ def job(arm: str, tokens: int, steps: int, threads: int, work: Path, models: Pat
         f"train.eval_every={steps + 1}", f"train.threads={threads}",
         "checkpoint.save_every=0", "checkpoint.export_adapter=false", "checkpoint.export_merged=false",
         "logger=quiet", f"hydra.run.dir={run_dir}"]
+    kind = arm.split("/")[0]
+    caches = work / "teacher_caches" / f"{tokens}" / kind  # each kind's own: its build is measured alone
+    if kind in TEACHERS and "cache.method" in " ".join(TEACHERS[kind]):
+        overrides.append(f"teacher.cache.dir={caches}")
+        if tag == "build":  # built from nothing, whatever an earlier run left
+            shutil.rmtree(caches, ignore_errors=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "KDSWEEP_CACHE": str(work / "cache"), "PYTHONPATH": str(REPO),
-           **({"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)} if pinned else {})}
+           **({"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)} if pinned or tag == "build" else {})}
     t0 = time.perf_counter()
     log = run_dir.parent / f"{run_dir.name}.log"
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "kdsweep", *overrides], stdout=out, stderr=subprocess.STDOUT,
                                 text=True, env=env)
-        rss = resident_peaks(proc)
+        rss = resident_peaks(proc, lambda: any(caches.glob("*/meta.json")) if tag == "build" else False)
     if proc.returncode != 0:
         return {"error": log.read_text().strip().splitlines()[-1][:400]}
     record = json.loads((run_dir / "run.json").read_text())
@@ -160,14 +169,17 @@ def job(arm: str, tokens: int, steps: int, threads: int, work: Path, models: Pat
     return {"peak_mem_mb": max(r["peak_mem_mb"] for r in train), "step_s": statistics.median(r["step_s"] for r in train[1:]),
             "steps_s": [r["step_s"] for r in train], "objective": record["objective"], "wall_s": time.perf_counter() - t0,
             "cache_bytes_per_position": targets.get("bytes_per_position"),
-            "teacher_tokens_computed": record["cost"]["teacher_tokens_computed"], **rss}
+            "teacher_tokens_computed": record["cost"]["teacher_tokens_computed"],
+            "cache_build_s": (targets.get("build") or {}).get("seconds"), **rss}
 
 
-def resident_peaks(proc: subprocess.Popen) -> dict[str, int]:
+def resident_peaks(proc: subprocess.Popen, built=lambda: False) -> dict[str, int]:
     """The job's peak anonymous and file-backed resident memory over its whole life (MB), sampled every 50 ms
     until it exits: a memory-mapped cache's pages count in VmHWM (``peak_mem_mb``) but are file pages the kernel
-    can drop, not memory the job allocated (RssFile, not RssAnon)."""
-    peaks = {"rss_anon_peak_mb": 0, "rss_file_peak_mb": 0}
+    can drop, not memory the job allocated (RssFile, not RssAnon). ``build_anon_peak_mb``: the anonymous peak until
+    ``built()`` (a teacher cache in place: the job's start, its tokenization and the cache's build)."""
+    peaks = {"rss_anon_peak_mb": 0, "rss_file_peak_mb": 0, "build_anon_peak_mb": 0}
+    building = True
     while proc.poll() is None:
         try:
             status = Path(f"/proc/{proc.pid}/status").read_text().splitlines()
@@ -177,6 +189,9 @@ def resident_peaks(proc: subprocess.Popen) -> dict[str, int]:
         for key, name in (("rss_anon_peak_mb", "RssAnon"), ("rss_file_peak_mb", "RssFile")):
             if name in fields:
                 peaks[key] = max(peaks[key], int(fields[name].split()[0]) // 1024)
+        building = building and not built()
+        if building:
+            peaks["build_anon_peak_mb"] = peaks["rss_anon_peak_mb"]
         time.sleep(0.05)
     proc.wait()
     return peaks
@@ -195,12 +210,14 @@ def main() -> None:
     arms = ["ce_only", *(a for a in args.arms if a != "ce_only")]
     sizes = {}
     for tokens in args.tokens:
-        built = set()
+        builds = {}
         for arm in arms:  # a cache's build is a job of its own (one per teacher kind), before the measured ones read it
             kind = arm.split("/")[0]
-            if ("cache" in kind or "topk" in kind) and kind not in built:
-                job(arm, tokens, args.steps, args.threads, args.work, models, "build")
-                built.add(kind)
+            if ("cache" in kind or "topk" in kind) and kind not in builds:
+                builds[kind] = job(arm, tokens, args.steps, args.threads, args.work, models, "build")
+                print(f"{tokens} tokens  build of {kind:<17} " + (
+                    f"anonymous peak {builds[kind]['build_anon_peak_mb']:6d} MB until the cache is in place"
+                    if "error" not in builds[kind] else builds[kind]["error"]), flush=True)
         res = {}
         for arm in arms:
             res[arm] = measured(arm, tokens, args.steps, args.threads, args.work, models)
@@ -208,15 +225,19 @@ def main() -> None:
                                                    if "error" not in res[arm] else res[arm]["error"]), flush=True)
         chunks = LossConfig().chunks_for(tokens, STUDENT_VOCAB)  # the default budget's, as the jobs chose them
         buffer_mb = tokens / chunks * LARGER_VOCAB * 4 / 2**20  # one [chunk, V] fp32 buffer at the larger vocabulary
-        base = res["ce_only"].get("peak_mem_mb")
+        base, anon = res["ce_only"].get("peak_mem_mb"), res["ce_only"].get("rss_anon_peak_mb")
         for arm, r in res.items():
             if "error" not in r and base is not None:
                 r["above_ce_only_mb"] = r["peak_mem_mb"] - base
                 r["above_ce_only_buffers"] = r["above_ce_only_mb"] / buffer_mb
+                r["anon_above_ce_only_buffers"] = (r["rss_anon_peak_mb"] - anon) / buffer_mb
+        for r in builds.values():  # the build's anonymous peak against a CE-only job's whole life
+            if "error" not in r and anon is not None:
+                r["build_anon_above_ce_only_buffers"] = (r["build_anon_peak_mb"] - anon) / buffer_mb
         ratio = lambda a, b: res[a]["step_s"] / res[b]["step_s"] if "step_s" in res.get(a, {}) and "step_s" in res.get(b, {}) else None
         impls = ("chunked", "fused")
         sizes[str(tokens)] = {
-            "chunks": chunks, "chunk_buffer_mb": buffer_mb, "arms": res,
+            "chunks": chunks, "chunk_buffer_mb": buffer_mb, "arms": res, "builds": builds,
             "cross_over_same_tokenizer": {f"{k}/{i}": ratio(f"{k}/{i}", f"live/{i}") for k in TEACHERS if k.startswith("cross")
                                           for i in impls},
             "fused_over_chunked": {k: ratio(f"{k}/fused", f"{k}/chunked") for k in TEACHERS}}
@@ -230,9 +251,14 @@ def main() -> None:
         print(f"\n{tokens} tokens per micro-batch (one [chunk, V] fp32 buffer: {s['chunk_buffer_mb']:.0f} MB)")
         for arm, r in s["arms"].items():
             if "error" not in r:
-                print(f"  {arm:<24} peak {r['peak_mem_mb']:8.0f} MB  (+{r.get('above_ce_only_buffers', 0):5.1f} buffers)  "
+                print(f"  {arm:<24} peak {r['peak_mem_mb']:8.0f} MB  (+{r.get('above_ce_only_buffers', 0):5.1f} buffers; "
+                      f"anonymous +{r.get('anon_above_ce_only_buffers', 0):5.1f})  "
                       f"{r['step_s']:6.2f} s/step  (whole job: anon {r.get('rss_anon_peak_mb', 0)} MB, "
                       f"file {r.get('rss_file_peak_mb', 0)} MB)")
+        for kind, r in s["builds"].items():
+            if "error" not in r:
+                print(f"  build of {kind:<15} anonymous peak {r['build_anon_peak_mb']:6d} MB "
+                      f"(+{r.get('build_anon_above_ce_only_buffers', 0):5.1f} buffers above ce_only's anonymous peak)")
         print("  cross / same tokenizer:", {k: v and round(v, 2) for k, v in s["cross_over_same_tokenizer"].items()})
         print("  fused / chunked:", {k: v and round(v, 2) for k, v in s["fused_over_chunked"].items()})
     print(f"results: {args.out}")
