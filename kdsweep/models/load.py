@@ -123,9 +123,12 @@ class Plan:
 def teacher_size(model: nn.Module) -> TeacherSize:
     """What a teacher (on the meta device) holds on a rank by placement: all its weights, and what a sharded copy
     gathers whole while it runs (its output layer, two decoder layers)."""
-    head = fsdp.hf_model(model).get_output_embeddings()
-    layers = [parameter_bytes(layer) for layer in fsdp.decoder_layers(model)]
-    return TeacherSize(parameter_bytes(model), (parameter_bytes(head) if head is not None else 0) + 2 * max(layers))
+    head, weights = fsdp.hf_model(model).get_output_embeddings(), parameter_bytes(model)
+    try:
+        layer = max(parameter_bytes(layer) for layer in fsdp.decoder_layers(model))
+    except ValueError:  # no decoder layers kdsweep can find (sharding it would fail): as if whole
+        return TeacherSize(weights, weights)
+    return TeacherSize(weights, (parameter_bytes(head) if head is not None else 0) + 2 * layer)
 
 
 def plan(cfg: RunConfig, student_dir: Path, teacher_dirs: list[Path], env: DistEnv, device: torch.device) -> Plan:
