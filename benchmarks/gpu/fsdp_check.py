@@ -91,6 +91,7 @@ def placement(sizes: Sizes, device: torch.device, budget: Budget) -> dict[str, A
     from kdsweep.distributed import comm, fsdp as sharding
     from kdsweep.distributed.env import DistEnv
     from kdsweep.distributed.placement import parameter_bytes, teacher_placements
+    from kdsweep.models.load import teacher_size
 
     from memory import per_rank
 
@@ -104,7 +105,7 @@ def placement(sizes: Sizes, device: torch.device, budget: Budget) -> dict[str, A
         for name, lora in (("lora", sizes.lora_rank), ("full", 0)):
             student = per_rank(sizes.teacher, sizes.student, sizes.vocab, lora_rank=lora, seq=sizes.seq,
                                micro_batch=sizes.micro_batch, ranks=8, live_teacher=False)
-            (p,) = teacher_placements(DistConfig(), node, [t_bytes], student.total, device)
+            (p,) = teacher_placements(DistConfig(), node, [teacher_size(replicated)], student.total, device)
             decisions[name] = p.record()
         batch = rows(sizes.micro_batch, sizes).batch(list(range(sizes.micro_batch))).to(device)
         out: dict[str, Any] = {"teacher_bytes": t_bytes, "auto_on_this_device": decisions}
