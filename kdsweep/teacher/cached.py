@@ -113,6 +113,13 @@ class CachedSplit:
         """``[len(at), width]``: field ``name`` at the flattened cells ``at`` only of a batch (its :meth:`cells`)."""
         return self._read(name, self._plan(*(c[at] for c in cells)), len(at))
 
+    def reader(self, row_ids: torch.Tensor, length: int, name: str,
+               device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``read(at)``: field ``name`` ``[len(at), width]`` on ``device`` at the flattened cells ``at`` of a
+        ``[B, length]`` batch of these rows, read from the memory map when asked for (a block at a time)."""
+        where = self.cells(row_ids, length)  # once per batch
+        return lambda at: self.gather_at(where, name, at).to(device, non_blocking=True)
+
 
 class ReadAhead:
     """Reads from a cache ahead of their use: told the batches that come next (:meth:`expect`), it reads the first on a
@@ -183,10 +190,9 @@ class CachedTeacher(TeacherSource):
         indices ``[N, 1]``, which the head reads from the memory map: the loss projects a block of rows at a time
         (:meth:`Logits._block_log_probs`), so the block's rows are all it holds of them (a memory map's pages are
         the kernel's file cache, not this process's), never the batch's ``[N, V]``."""
-        where = self.split.cells(batch.rows, batch.input_ids.shape[1])  # once per batch; each block read from it
-        read = lambda at: self.split.gather_at(where, "logits", at[:, 0]).to(self.device, non_blocking=True)
+        read = self.split.reader(batch.rows, batch.input_ids.shape[1], "logits", self.device)
         cells = torch.arange(batch.input_ids.numel()).unsqueeze(-1)
-        return Logits(hidden=cells, head=read, rows=self.split.spec.vocab)
+        return Logits(hidden=cells, head=lambda at: read(at[:, 0]), rows=self.split.spec.vocab)
 
     @contextmanager
     def targets(self, batch: Batch) -> Iterator[Targets]:

@@ -122,9 +122,8 @@ class CachedCrossTeacher(TeacherSource):
         self.tokens_read += batch.input_ids.numel()
         rows, length, spec = batch.rows, batch.input_ids.shape[1], self.split.spec
         raw = self.ahead.get(batch)
-        if spec.method == "full":
-            where = self.split.cells(rows, length)  # once per batch; each chunk's heads read from it
-            head_at = lambda at: self.split.gather_at(where, "logits", at).to(self.device, non_blocking=True)
+        if spec.method == "full":  # each chunk's heads read from the memory map
+            head_at = self.split.reader(rows, length, "logits", self.device)
         else:
             head_at = sparse_head(raw, spec, self.device)
         targets, dropped, unaligned = from_fields(raw, batch.labels, spec, self.scoring, self.device, head_at)
