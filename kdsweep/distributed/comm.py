@@ -18,9 +18,9 @@ or a receive its tensor. The object collectives (``gather_object``, ``broadcast_
 the tensor collectives they issue. ``cross_node_bytes`` are those of
 collectives whose group spans more than one node (what may cross the network between nodes).
 
-Once a collective raised (a peer is gone) or the process marked itself failed (:func:`mark_failed`), every later
-collective raises at once instead of waiting on peers that will never come: no rank enters a collective after a
-failure it knows of.
+Once a collective raised (a peer is gone; a functional collective raises when its result is waited on) or the
+process marked itself failed (:func:`mark_failed`), every later collective raises at once instead of waiting on peers
+that will never come: no rank enters a collective after a failure it knows of.
 
 ``KDSWEEP_COLLECTIVE_LOG=<dir>``: each rank also appends every collective it issues to ``<dir>/rank<r>-<pid>.jsonl``
 (``{"t", "kind", "owner", "n", "phase": "start"|"end"|"error"}``), to show which collectives ran after a failure.
@@ -285,6 +285,25 @@ def install(ranks_per_node: int, rank: int) -> None:
         original = getattr(funcol, name, None)
         if original is not None:
             setattr(funcol, name, _counted(kind, original, lambda b: b.arguments["self"], functional=True))
+    if getattr(funcol, "wait_tensor", None) is not None:
+        funcol.wait_tensor = _waited(funcol.wait_tensor)
+
+
+def _waited(fn: Callable) -> Callable:
+    """The wait of a functional collective's result, which raises the collective's error (it runs asynchronously:
+    its call returned long before), marking the process failed as a collective's own error does."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except BaseException as e:
+            _STATE.failed = _STATE.collective_error = (f"a functional collective failed when waited on "
+                                                       f"({type(e).__name__}: {str(e)[:200]})")
+            _log({"t": time.time(), "kind": "wait", "owner": OTHER, "n": 0, "phase": "error"})
+            raise
+
+    return wrapper
 
 
 def mark_failed(reason: str) -> None:

@@ -84,3 +84,44 @@ def test_each_collective_is_counted_by_the_formula_and_refused_after_a_failure(t
     for r in (r0, r1):
         for name, (error, seconds) in r["refused"].items():
             assert error.startswith("no ") and "after a failure: rank 1 failed (a test)" in error and seconds < 1, name
+
+
+def _late_error(rank: int, out: str) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from kdsweep.distributed import comm
+
+    comm.install(2, rank)
+    quick = dist.new_group(timeout=datetime.timedelta(seconds=2))  # its collectives give up after 2 s
+    seen = {}
+    if rank == 0:  # rank 1 never joins this all-reduce: it fails, but only when its result is waited on
+        pending = funcol.all_reduce(torch.ones(4), "sum", quick)
+        seen["after_call"] = comm.failed()
+        try:
+            (pending + 0).sum()
+            seen["wait"] = None
+        except Exception as e:  # noqa: BLE001 - gloo's own error type varies
+            seen["wait"] = type(e).__name__
+        seen["after_wait"] = comm.failed()
+        try:
+            dist.all_reduce(torch.ones(1))
+            seen["next"] = None
+        except comm.CollectiveRefused as e:
+            seen["next"] = str(e)
+        with open(os.path.join(out, "late.json"), "w") as f:
+            json.dump(seen, f)
+        comm.install(2, rank)  # a new job's mark: the helper's last barrier is not refused
+    else:
+        time.sleep(4)
+
+
+def test_a_functional_collectives_error_raised_at_its_wait_marks_the_process_failed(tmp_path):
+    gloo_ranks(_late_error, str(tmp_path), tmp_path=tmp_path, timeout_s=30)
+    seen = json.loads((tmp_path / "late.json").read_text())
+    assert seen["after_call"] is None and seen["wait"] is not None, seen  # the call returned; the wait raised
+    assert seen["after_wait"].startswith("a functional collective failed when waited on"), seen
+    assert seen["next"].startswith("no all_reduce after a failure: a functional collective failed"), seen
