@@ -2,8 +2,7 @@
 
 Units: every decoder layer (the model's ``_no_split_modules``), the output projection on its own when it is
 not tied to the input embeddings (grouping it with the final norm crashed in backward with the HF forward),
-and the root for what is left. Weights are loaded by broadcasting rank 0's full state dict into the shards,
-and buffers (which no state dict holds in full) by broadcasting rank 0's, so only rank 0 ever reads the files.
+and the root for what is left. Each rank then fills its own shards from the files (:mod:`kdsweep.models.shards`).
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from kdsweep.config.schema import DistConfig
@@ -58,53 +57,6 @@ def shard(model: nn.Module, cfg: DistConfig, mesh: Any = None,
     return model
 
 
-def broadcast_whole(model: nn.Module, source: nn.Module | None) -> None:
-    """Give an unsharded (``to_empty``-ed) ``model`` on every rank rank 0's ``source`` weights and buffers, all of
-    them (None on other ranks): a replicated model. A collective: every rank calls it."""
-    import torch.distributed as dist
-
-    hf_model(model).tie_weights()  # to_empty gave each side of a tied pair its own tensor: tied again, as loaded
-    mine = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    if source is not None:
-        given = {**dict(source.named_parameters()), **dict(source.named_buffers())}
-        if set(given) != set(mine):
-            raise ValueError(f"the replicated model's tensors differ from the loaded model's: "
-                             f"{sorted(set(given) ^ set(mine))[:4]}")
-    with torch.no_grad():
-        for name, t in mine.items():
-            if source is not None:
-                t.copy_(given[name].to(device=t.device, dtype=t.dtype))
-            dist.broadcast(t, src=0)
-
-
-def load_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor]) -> None:
-    """Fill a sharded (``to_empty``-ed) model from rank 0's full state dict; other ranks pass ``{}``."""
-    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-
-
 def gather_to_rank0(model: nn.Module) -> dict[str, torch.Tensor]:
     """The full state dict on CPU at rank 0 (``{}`` elsewhere). A collective: every rank calls it."""
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def broadcast_buffers(model: nn.Module, source: nn.Module | None) -> None:
-    """Give every buffer of the sharded ``model`` the value it has in rank 0's ``source`` (the same model read by
-    ``from_pretrained``; None on other ranks). A collective: every rank calls it.
-
-    ``to_empty`` leaves buffers as uninitialised memory, and a state dict holds only the persistent ones: rotary
-    frequencies (``inv_freq``, Gemma 3's ``sliding_attention_inv_freq``), Gemma's ``embed_scale`` and whatever a
-    future architecture registers are not in it. So all of them are taken from the source, by name, whatever
-    they are called; a buffer the source lacks is an error, never garbage.
-    """
-    import torch.distributed as dist
-
-    buffers = dict(model.named_buffers())
-    if source is not None:
-        given = dict(source.named_buffers())
-        if set(given) != set(buffers):
-            raise ValueError(f"the sharded model's buffers differ from the loaded model's: "
-                             f"{sorted(set(given) ^ set(buffers))[:4]}")
-        for name, buf in buffers.items():
-            buf.copy_(given[name].to(device=buf.device, dtype=buf.dtype))
-    for buf in buffers.values():  # a host buffer (offloaded model) goes over gloo: a GPU group holds both
-        dist.broadcast(buf, src=0)

@@ -180,6 +180,35 @@ def from_rank0(env: DistEnv, what: str, fn: Callable[[], T]) -> T:
     return value
 
 
+def together(env: DistEnv, what: str) -> None:
+    """Every rank past this point before any rank goes on, with no rank inside a collective meanwhile (the end of a
+    step each rank takes alone, as long as it takes: reading its share of a model). Each rank leaves a mark in the
+    shared directory; rank 0 waits until it has every rank's (looking at the directory with pauses backing off to
+    :data:`SHARED_POLL_S`), then says so to all as :func:`from_rank0` does. Every rank calls it alike."""
+    if not env.active:
+        return
+    if _GROUP.root is None:
+        begin(env)
+    mark = f"{_GROUP.seq + 1}.done"  # the number from_rank0 gives this wait
+    if not env.is_main:  # (rank 0 may not have made the directory yet)
+        _GROUP.root.mkdir(parents=True, exist_ok=True)
+        (_GROUP.root / f"{mark}.{env.rank}").touch()
+
+    def every_rank() -> None:
+        began = last_said = time.time()
+        pause = 0.002
+        while len(list(_GROUP.root.glob(f"{mark}.*"))) < env.world_size - 1:
+            time.sleep(pause)
+            pause = min(pause * 2, SHARED_POLL_S)
+            if time.time() - last_said >= SAY_EVERY_S:
+                last_said = time.time()
+                done = {p.name.rsplit(".", 1)[1] for p in _GROUP.root.glob(f"{mark}.*")}
+                waiting = [r for r in range(1, env.world_size) if str(r) not in done]
+                log.info("rank 0: waiting %.0f s so far for ranks %s to %s", time.time() - began, waiting[:8], what)
+
+    from_rank0(env, f"see every rank {what}", every_rank)
+
+
 def _wait(env: DistEnv, path: Path, beat: Path, what: str, longest: float,
           fallback: Path | None = None) -> tuple[str, Any]:
     """Rank 0's word from ``path`` (or from ``fallback``, looked at every :data:`FALLBACK_S`), looked for with pauses

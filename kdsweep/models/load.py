@@ -1,10 +1,9 @@
 """Load the tokenizer, the frozen teacher and the (LoRA or fully) trainable student from HF directories.
 
-With one rank a model is read straight onto its device. With several, every rank builds it on the meta
-device and is given its weights by rank 0, the only rank that reads the files: its shards (FSDP2, over every rank
-or within each node, as its :class:`~kdsweep.distributed.placement.Placement` says) or, for a replicated teacher,
-a whole copy; then every buffer from rank 0 too (rotary frequencies, embedding scales: no state dict carries them
-all). ``train.dtype`` decides the dtypes (:mod:`kdsweep.models.precision`).
+With one rank a model is read straight onto its device. With several, every rank builds it empty, places it
+(sharded with FSDP2, over every rank or within each node, as its :class:`~kdsweep.distributed.placement.Placement`
+says, or a whole copy) and reads from the files only the rows it holds (:mod:`kdsweep.models.shards`); the ranks then
+meet outside any collective. ``train.dtype`` decides the dtypes (:mod:`kdsweep.models.precision`).
 """
 
 from __future__ import annotations
@@ -23,7 +22,8 @@ from kdsweep.distributed import DistEnv, comm, fsdp, single_process
 from kdsweep.distributed.placement import (Placement, TeacherSize, parameter_bytes, student_placement,
                                            teacher_placements)
 from kdsweep import hub
-from kdsweep.models import targets, zoo
+from kdsweep.distributed import waits
+from kdsweep.models import shards, targets, zoo
 from kdsweep.models.precision import Precision
 
 log = logging.getLogger(__name__)
@@ -81,21 +81,19 @@ def _build(
         model = wrap(read_model(model_dir, dtype))
         prepare(model, cfg, trainable)
         return model.to(device)
-    source = wrap(read_model(model_dir, dtype)) if env.is_main else None
-    model = wrap(_on_meta(model_dir, dtype))
+    model, kept = shards.empty(model_dir, dtype, wrap)
+    rows = shards.rows_of(model_dir, model, dtype)
     prepare(model, cfg, trainable)
-    with comm.owned_by(owner):  # loading's broadcasts: once per job, counted as this model's
-        if not placement.sharded:  # a whole copy on every rank: filled from rank 0's, then no collective ever again
-            model.to_empty(device=device)
-            fsdp.broadcast_whole(model, source)
-            return model
+    if placement.sharded:
         fsdp.shard(model, cfg, mesh=placement.mesh(device), mp_policy=precision.fsdp_policy(trainable))
         comm.label(model, owner)
         if placement.two_dimensional and trainable:  # HSDP: the gradients' all-reduce across nodes is the student's
             comm.own_group(placement.mesh(device).get_group("replicate"), owner)
         model.to_empty(device="cpu" if cfg.cpu_offload else device)  # offloaded shards live on the host
-        fsdp.load_from_rank0(model, source.state_dict() if source is not None else {})
-        fsdp.broadcast_buffers(model, source)
+    else:  # a whole copy on every rank: no collective ever
+        shards.materialise(model, device)
+    shards.fill(model, rows, kept)  # each rank its own rows, from the files, as long as it takes
+    waits.together(env, f"load its share of the {owner}")  # no rank goes on to a collective before all are loaded
     return model
 
 

@@ -4,8 +4,9 @@ Two 2-rank jobs started together need the same teacher cache, not built yet, wit
 build's time: one builds it, the other's rank 0 waits on the build's lock and its rank 1 waits for rank 0's word
 in a file, not in a collective, so both complete (before, the waiting job died in ``broadcast_object`` after
 ``dist.timeout_s``). Their teacher is hashed for the first time too, and that takes longer than the timeout (its
-directory holds 2 GB more to read). The same as a Hydra grid on the SLURM cluster. Waiting ranks say so in their logs (``KDSWEEP_WAIT_SAY_S``: every second here, a minute by
-default).
+directory holds 2 GB more to read). The same as a Hydra grid on the SLURM cluster. And each rank reads its own share
+of each model: a rank 0 that takes 10 s a file is waited for outside collectives. Waiting ranks say so in their logs
+(``KDSWEEP_WAIT_SAY_S``: every second here, a minute by default).
 """
 
 import os
@@ -27,9 +28,27 @@ CACHE = ["teacher.logits=cache", "teacher.cache.rows=all"]
 SAY = {"KDSWEEP_WAIT_SAY_S": "1"}
 
 
+# Rank 0 on a slow parallel filesystem: each safetensors file it opens for reading takes 10 s to come
+SLOW_READS = """
+import os, time
+
+_open = os.open
+
+
+def _slow_open(path, *args, **kwargs):
+    if os.environ.get("RANK") == "0" and str(path).endswith(".safetensors"):
+        time.sleep(10)
+    return _open(path, *args, **kwargs)
+
+
+os.open = _slow_open
+"""
+
+
 def _start(args, cwd, env=None):
     return subprocess.Popen([sys.executable, "-m", "kdsweep", *args], cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
 
 
 def _longest_wait(log: str, what: str) -> float:
@@ -87,7 +106,8 @@ def test_two_jobs_needing_one_unbuilt_cache_both_complete_one_built_it_the_other
 
 def test_the_teachers_first_hash_longer_than_the_timeout_was_waited_for_outside_collectives(two_jobs_one_cache):
     root, procs, _ = two_jobs_one_cache  # both completed (above); the one that hashed first waited that long
-    waits = [_longest_wait((root / name / "logs" / "rank1.log").read_text(), "hash the teacher's files") for name in procs]
+    waits = [_longest_wait((root / name / "logs" / "rank1.log").read_text(), "hash the teacher's files")
+             for name in procs]
     assert max(waits) >= TIMEOUT_S, waits
 
 
@@ -99,3 +119,20 @@ def test_a_slurm_grid_of_two_jobs_needing_one_unbuilt_cache_completes(tmp_path, 
                    cwd=tmp_path, check=False, env_extra=SAY)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_one_built_and_one_waited([sweep / "0", sweep / "1"], same_run=False)  # two seeds, one cache of all rows
+
+
+def test_rank0_reading_its_share_slowly_is_waited_for_outside_collectives(tmp_path):
+    """Every rank reads its own share of each model; rank 0 takes 10 s a file, over three times ``dist.timeout_s``:
+    rank 1, done long before, waits for it in a file, not in a collective, and the job completes."""
+    site = tmp_path / "slow_site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_READS)
+    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    proc = _start([*JOB, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, {**SAY, "PYTHONPATH": path})
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    record = read_run(tmp_path / "run")
+    assert record["status"] == "completed" and record["world_size"] == 2, record
+    rank1 = (tmp_path / "run" / "logs" / "rank1.log").read_text()
+    for model in ("teacher", "student"):
+        assert _longest_wait(rank1, f"see every rank load its share of the {model}") >= TIMEOUT_S, rank1[-3000:]
