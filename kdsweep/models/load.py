@@ -18,11 +18,10 @@ import torch
 from torch import nn
 
 from kdsweep.config.schema import DistConfig, ModelSource, RunConfig, StudentConfig
-from kdsweep.distributed import DistEnv, comm, fsdp, single_process
+from kdsweep.distributed import DistEnv, comm, fsdp, single_process, waits
 from kdsweep.distributed.placement import (Placement, TeacherSize, parameter_bytes, student_placement,
                                            teacher_placements)
 from kdsweep import hub
-from kdsweep.distributed import waits
 from kdsweep.models import shards, targets, zoo
 from kdsweep.models.precision import Precision
 

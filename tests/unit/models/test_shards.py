@@ -1,5 +1,6 @@
 """Each rank reads its own rows of a model from the files: the same tensors as one process's whole load, every
-placement, every tensor (LoRA's random A included), and only the rows it keeps."""
+placement, every tensor (LoRA's random A included), and only the rows it keeps; gathered on rank 0 for export, the
+same again. (Every architecture's buffers and logits against a whole load: tests/unit/distributed/test_fsdp.py.)"""
 
 import logging
 import os
@@ -11,7 +12,7 @@ from helpers import gloo_ranks, save_arch, word_tokenizer
 from kdsweep.config import DistConfig, StudentConfig
 from kdsweep.distributed.placement import forget_meshes
 from kdsweep.models import shards
-from kdsweep.models.load import load_student, load_teacher, read_model, student_wrapper
+from kdsweep.models.load import load_student, load_teacher, read_model, student_wrapper, unsharded_on_rank0
 
 
 def _whole(model) -> dict[str, torch.Tensor]:
@@ -47,7 +48,12 @@ def _rank(rank: int, root: str) -> None:
                     assert p.to_local().shape[0] <= -(-p.shape[0] // over), (how, name)
                 else:
                     assert how == "teacher_replicate", (how, name)
+            assert how.startswith("teacher") != any(p.requires_grad for p in model.parameters()), how
             out[f"{arch}/{how}"] = _whole(model)
+        gathered = unsharded_on_rank0(built["lora_fsdp"], model_dir, lora, "fp32", 7, env)  # for export
+        assert (gathered is None) == (rank != 0)
+        if gathered is not None:
+            out[f"{arch}/lora_fsdp gathered"] = {n: t.clone() for n, t in gathered.state_dict().items()}
     if rank == 0:
         torch.save(out, os.path.join(root, "loaded.pt"))
     forget_meshes()
@@ -64,18 +70,24 @@ def test_four_ranks_on_two_nodes_load_every_tensor_of_a_whole_load(tmp_path, mon
     for arch in ("llama", "qwen2"):
         model_dir = tmp_path / arch
         lora = StudentConfig(path=str(model_dir), lora_rank=4, target_modules=("all-linear",))
+        plain = load_student(model_dir, lora, "fp32", torch.device("cpu"), 7)
         expected = {
-            "lora_fsdp": _whole(load_student(model_dir, lora, "fp32", torch.device("cpu"), 7)),
+            "lora_fsdp": _whole(plain),
+            "lora_fsdp gathered": plain.state_dict(),  # (a tied pair under both its names)
             "full_hsdp": _whole(load_student(model_dir, StudentConfig(path=str(model_dir), lora_rank=0), "fp32",
                                               torch.device("cpu"), 7)),
             "teacher": _whole(load_teacher(model_dir, "fp32", torch.device("cpu"))),
         }
         assert any("lora_A" in n for n in expected["lora_fsdp"])
+        checked = set()
         for how, tensors in expected.items():
-            for placed in [k for k in got if k.startswith(f"{arch}/{how}")]:
+            same = [k for k in got if k.startswith(f"{arch}/{how}") and ("gathered" in k) == ("gathered" in how)]
+            checked.update(same)
+            for placed in same:
                 assert sorted(got[placed]) == sorted(tensors), placed
                 for name, t in tensors.items():  # to the bit: the same bytes, read by rows
                     assert torch.equal(got[placed][name], t), (placed, name)
+        assert checked == {k for k in got if k.startswith(f"{arch}/")} and len(checked) == 6, checked
 
 
 def test_a_checkpoint_in_several_files_is_read_file_by_file_into_the_same_tensors(tmp_path):
