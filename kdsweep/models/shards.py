@@ -241,25 +241,24 @@ def fill(model: nn.Module, rows: Rows, kept: dict[str, torch.Tensor]) -> None:
     tensors: dict[int, tuple[torch.Tensor, list[str]]] = {}
     for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
         tensors.setdefault(id(t), (t, []))[1].append(name)
-    wanted: dict[str, tuple[torch.Tensor, str]] = {}
+    wanted: dict[str, torch.Tensor] = {}
     for t, names in tensors.values():
         own = [name.removeprefix(prefix).replace(".base_layer", "") for name in names]
         held = [o for o in own if o in rows]
         if held:
-            wanted[held[0]] = (t, names[0])
+            wanted[held[0]] = t
         elif any(name in kept for name in names):
             k = kept[next(name for name in names if name in kept)]
             _copy(t, lambda start, stop, k=k: k[start:stop] if k.dim() else k)
         else:
             raise ValueError(f"{own[0]} is in no safetensors file of the model and cannot be computed; the model's "
                              f"files are incomplete (save it again with save_pretrained)")
-    with torch.no_grad():
-        for file, names in rows.files():
-            for name in names:
-                if name in wanted:
-                    t, _ = wanted.pop(name)
-                    _copy(t, lambda start, stop, n=name: rows.rows(n, start, stop))
-    assert not wanted, f"tensors left unread: {sorted(wanted)[:4]}"
+    for _, names in rows.files():
+        for name in names:
+            if name in wanted:
+                _copy(wanted.pop(name), lambda start, stop, n=name: rows.rows(n, start, stop))
+    if wanted:
+        raise RuntimeError(f"tensors the files were to hold were not read: {sorted(wanted)[:4]}")
 
 
 def _copy(t: torch.Tensor, read: Callable[[int, int], torch.Tensor]) -> None:
