@@ -30,6 +30,22 @@ def search(tmp_path, name, sweeper: dict, overrides: dict | None = None) -> list
     return ["-m", f"hparams_search={name}", f"hydra.searchpath=[file://{tmp_path / 'conf'}]"]
 
 
+AT_EXIT = """import atexit, json, os, sys
+if sys.argv[1:2] == ["-m"]:  # the sweep's controller, not its trials
+    atexit.register(lambda: open(os.environ["KDSWEEP_TEST_MODULES"], "w").write(
+        json.dumps({name: name in sys.modules for name in ("torch", "optuna")})))
+"""
+
+
+def said_at_exit(tmp_path) -> dict[str, str]:
+    """The environment that has the controller write, as it exits, which of torch and optuna it imported."""
+    site = tmp_path / "at_exit_site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(AT_EXIT)
+    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    return {"PYTHONPATH": path, "KDSWEEP_TEST_MODULES": str(tmp_path / "controller_modules.json")}
+
+
 def manifest(sweep_dir) -> dict:
     return json.loads((sweep_dir / "sweep.json").read_text())
 
@@ -45,7 +61,9 @@ def test_a_freed_slot_is_refilled_while_the_long_trial_runs(tmp_path, zoo_dirs):
         "params": {"train.max_steps": "choice(1,80)"},
         "enqueue": [{"train.max_steps": 80}, {"train.max_steps": 1}, {"train.max_steps": 1}, {"train.max_steps": 1}],
     }, {"train": {"eval_every": 20}})  # the long trial's steps, not its evaluations, keep its slot
-    kdsweep(*args, f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path)
+    kdsweep(*args, f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path, env_extra=said_at_exit(tmp_path))
+    # the controller (`-m`) plans, starts, polls and judges trials without torch (seconds of a process's imports)
+    assert json.loads((tmp_path / "controller_modules.json").read_text()) == {"torch": False, "optuna": True}
     trials = {int(n): t for n, t in manifest(sweep_dir)["trials"].items()}
     assert [trials[n]["state"] for n in range(4)] == ["COMPLETE"] * 4
     long = trials[0]

@@ -151,14 +151,14 @@ class KdsweepOptunaSweeper(Sweeper):
         """``hydra.sweeper.pack``: the trials ``configs`` stand for must train together, and a pack of them fit the
         device its jobs run on, as the memory plan has it (``auto``: as many as fit, at most ``max_concurrent``).
         The settings, ``auto`` replaced by its number."""
+        if settings.pack in (None, 1):
+            return settings
         import dataclasses
 
         from kdsweep.config.schema import ConfigError
-        from kdsweep.distributed import device_for, single_process
+        from kdsweep.distributed import device_for, single_process  # torch: only a packed sweep's controller
         from kdsweep.pack.plan import check_fits, plan
 
-        if settings.pack in (None, 1):
-            return settings
         _check_packable(configs, settings.pack)
         first = configs[0]
         device_gb = first.dist.device_memory_gb or None
