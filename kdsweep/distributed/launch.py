@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import logging
 import os
 import socket
+import sys
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -59,6 +62,37 @@ def _free_port(addr: str) -> int:
         return s.getsockname()[1]
 
 
+# What a rank imports: the forkserver imports it once, and each rank is forked from it with it already imported.
+RANK_IMPORTS = ["kdsweep.app", "kdsweep.train.loop", "kdsweep.models.load", "transformers.modeling_utils", "peft"]
+
+
+@contextlib.contextmanager
+def _fresh_forkserver() -> Iterator[None]:
+    """The ranks are forked from a server started for this launch (multiprocessing's forkserver), which imports
+    :data:`RANK_IMPORTS` once for all of them: a rank started by ``spawn`` imports them itself (seconds of CPU per
+    rank). Not forked from this process: in a multirun it may already have trained a job, and a fork after OpenMP
+    kernels ran can deadlock the child's first matmul. The server is this launch's (started with this process's
+    environment and directory now, as spawn's ranks would be) and is stopped after it."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    multiprocessing.set_forkserver_preload(RANK_IMPORTS)
+    forkserver._forkserver._stop()  # noqa: SLF001 - one a previous launch left (stopped below) or none
+    try:
+        yield
+    finally:
+        forkserver._forkserver._stop()  # noqa: SLF001
+
+
+def _importable(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` as the forked ranks can unpickle it: a function of ``python -m pkg.mod``'s ``__main__`` is
+    ``pkg.mod``'s (the forkserver's ``__main__`` is its own)."""
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    if fn.__module__ == "__main__" and spec is not None:
+        return getattr(importlib.import_module(spec.name), fn.__qualname__)
+    return fn
+
+
 def spawn(fn: Callable[..., Any], args: tuple, cfg: DistConfig, run_dir: Path | None = None) -> Any:
     """Run ``fn(*args)`` in ``cfg.nproc_per_node`` local ranks (RANK, WORLD_SIZE, ... set); rank 0's return value.
 
@@ -75,9 +109,7 @@ def spawn(fn: Callable[..., Any], args: tuple, cfg: DistConfig, run_dir: Path | 
         min_nodes=1, max_nodes=1, nproc_per_node=cfg.nproc_per_node, run_id=f"kdsweep-{uuid.uuid4().hex[:8]}",
         rdzv_backend="static", rdzv_endpoint=f"{cfg.master_addr}:{port}", rdzv_configs={"rank": 0},
         max_restarts=0, monitor_interval=0.1,
-        # spawn, not fork: in a multirun this process may already have trained a job, and a fork after OpenMP
-        # kernels ran can deadlock the child's first matmul. Costs each rank its imports (seconds).
-        start_method="spawn",
+        start_method="forkserver",  # see _fresh_forkserver
     )
     os.environ[LOCAL_RANKS] = "1"  # the ranks inherit it: they know dist.nproc_per_node started them, not torchrun
     # a rank that ends itself after a failure (distributed.failure) leaves the launcher's semaphores to the resource
@@ -89,7 +121,8 @@ def spawn(fn: Callable[..., Any], args: tuple, cfg: DistConfig, run_dir: Path | 
     level = agent_log.level
     agent_log.setLevel(logging.CRITICAL)  # its report of a failed rank is a table and a traceback: the line says it
     try:
-        return elastic_launch(launch, fn)(*args)[0]
+        with _fresh_forkserver():
+            return elastic_launch(launch, _importable(fn))(*args)[0]
     except ChildFailedError as e:
         found = rank_failures(run_dir) if run_dir is not None else []
         if not found:

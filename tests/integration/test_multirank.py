@@ -205,9 +205,11 @@ def test_torchrun_ranks_agree_on_the_output_dir(torchrun_job):
 
 
 def _worker_pids(parent_pid):
-    """The rank processes the launcher spawned (not multiprocessing's resource tracker)."""
-    out = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(parent_pid)], capture_output=True, text=True).stdout
-    return [int(line.split()[0]) for line in out.splitlines() if "spawn_main" in line]
+    """The rank processes the launcher started: the children of its forkserver (not the resource tracker)."""
+    out = subprocess.run(["ps", "-e", "-ww", "-o", "pid=,ppid=,args="], capture_output=True, text=True).stdout
+    procs = [(int(pid), int(ppid), args) for pid, ppid, args in (line.split(None, 2) for line in out.splitlines())]
+    servers = {pid for pid, ppid, args in procs if ppid == parent_pid and "multiprocessing.forkserver" in args}
+    return [pid for pid, ppid, _ in procs if ppid in servers]
 
 
 def test_kill_9_of_one_rank_then_rerun_resumes(one_rank, tmp_path):
