@@ -193,3 +193,13 @@ def byte_level_bpe(corpus: list[str], special_tokens: list[str], vocab_size: int
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus * 5, trainer)
     return tok
+
+
+def with_sitecustomize(directory: Path, code: str) -> dict[str, str]:
+    """The environment whose Python processes run ``code`` at start-up (a ``sitecustomize`` in ``directory``, first
+    on ``PYTHONPATH``, before the one the environment had)."""
+    import os
+
+    directory.mkdir()
+    (directory / "sitecustomize.py").write_text(code)
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(directory), os.environ.get("PYTHONPATH")]))}

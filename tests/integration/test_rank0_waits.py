@@ -17,6 +17,7 @@ import sys
 import pytest
 
 from conftest import QUIET, kdsweep, read_run
+from helpers import with_sitecustomize
 
 pytestmark = pytest.mark.slow
 
@@ -124,11 +125,8 @@ def test_a_slurm_grid_of_two_jobs_needing_one_unbuilt_cache_completes(tmp_path, 
 def test_rank0_reading_its_share_slowly_is_waited_for_outside_collectives(tmp_path):
     """Every rank reads its own share of each model; rank 0 takes 10 s a file, over three times ``dist.timeout_s``:
     rank 1, done long before, waits for it in a file, not in a collective, and the job completes."""
-    site = tmp_path / "slow_site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(SLOW_READS)
-    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
-    proc = _start([*JOB, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, {**SAY, "PYTHONPATH": path})
+    proc = _start([*JOB, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path,
+                  {**SAY, **with_sitecustomize(tmp_path / "slow_site", SLOW_READS)})
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
     record = read_run(tmp_path / "run")

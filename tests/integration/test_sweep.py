@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from conftest import kdsweep
-from helpers import once
+from helpers import once, with_sitecustomize
 
 pytestmark = pytest.mark.slow
 
@@ -39,11 +39,8 @@ if sys.argv[1:2] == ["-m"]:  # the sweep's controller, not its trials
 
 def said_at_exit(tmp_path) -> dict[str, str]:
     """The environment that has the controller write, as it exits, which of torch and optuna it imported."""
-    site = tmp_path / "at_exit_site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(AT_EXIT)
-    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
-    return {"PYTHONPATH": path, "KDSWEEP_TEST_MODULES": str(tmp_path / "controller_modules.json")}
+    return {**with_sitecustomize(tmp_path / "at_exit_site", AT_EXIT),
+            "KDSWEEP_TEST_MODULES": str(tmp_path / "controller_modules.json")}
 
 
 def manifest(sweep_dir) -> dict:
