@@ -24,6 +24,28 @@ BACKGROUND_ZOO = ("tiny-teacher", "tiny-student", "tiny-teacher-other")
 _zoo_build: list[subprocess.Popen] = []
 
 
+# CI keeps the zoo it pre-trained between runs on one machine (tests/zoo_store.py): four CPU-minutes of every run.
+ZOO_STORE = os.environ.get("KDSWEEP_ZOO_STORE")
+_zoo_restored: list[str] = []
+
+
+def _controller(config) -> bool:
+    return not hasattr(config, "workerinput")  # xdist's controller (or a run without workers), not a worker
+
+
+def pytest_configure(config):
+    if ZOO_STORE and _controller(config):  # before the workers start
+        import zoo_store
+        from kdsweep.models import zoo
+
+        _zoo_restored.extend(zoo_store.restore(Path(ZOO_STORE), zoo.cache_root()))
+
+
+def pytest_report_header(config):
+    if ZOO_STORE:
+        return f"zoo store {ZOO_STORE}: {', '.join(_zoo_restored) or 'nothing for this key'} restored"
+
+
 def pytest_collection_finish(session):
     if session.config.option.collectonly or not any("integration" in item.nodeid for item in session.items):
         return
@@ -39,6 +61,11 @@ def pytest_sessionfinish(session, exitstatus):
         if proc.poll() is None:
             proc.terminate()
         proc.wait()
+    if ZOO_STORE and _controller(session.config):
+        import zoo_store
+        from kdsweep.models import zoo
+
+        zoo_store.save(Path(ZOO_STORE), zoo.cache_root())
 
 
 # Which worker runs what. Each test file goes to one worker whole (its module fixtures are built once), and so

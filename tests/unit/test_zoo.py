@@ -1,7 +1,9 @@
 """The embedded zoo builds deterministically, caches by content, and survives concurrent builders."""
 
 import hashlib
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -39,3 +41,66 @@ def test_cache_key_covers_the_corpus_and_the_recipe(tmp_path, monkeypatch):
     corpus.write_bytes(zoo.EMBEDDED_CORPUS.read_bytes() + b"one more document\n")
     monkeypatch.setattr(zoo, "EMBEDDED_CORPUS", corpus)
     assert zoo._digest(zoo.ARCHS["tiny-teacher"], zoo.RECIPES["tiny-teacher"]) != key
+
+
+def test_each_model_pretrains_through_the_zoo_s_own_code_at_two_steps(tmp_path, monkeypatch):
+    """The first-run build, end to end, at a two-step recipe (CI keeps the real zoo between runs: zoo_store): the
+    tokenizers trained, each model pre-trained, saved and loadable as a Hugging Face directory, bit for bit the same
+    in a second cache, and trained (its weights are not the initialisation)."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    for name in zoo.ARCHS:
+        monkeypatch.setitem(zoo.RECIPES, name, {**zoo.RECIPES[name], "steps": 2})
+    built = {}
+    for cache in ("one", "two"):
+        monkeypatch.setenv("KDSWEEP_CACHE", str(tmp_path / cache))
+        with torch.random.fork_rng():
+            built[cache] = {name: zoo.model_dir(name) for name in zoo.ARCHS}
+    for name, d in built["one"].items():
+        assert json.loads((d / "kdsweep_zoo.json").read_text())["recipe"]["steps"] == 2
+        tok = AutoTokenizer.from_pretrained(d)
+        model = AutoModelForCausalLM.from_pretrained(d)
+        assert len(tok) == zoo.vocab_size(name) == model.config.vocab_size
+        assert model.config.hidden_size == zoo.ARCHS[name]["hidden_size"]
+        assert digest_of(d / "model.safetensors") == digest_of(built["two"][name] / "model.safetensors"), name
+        with torch.random.fork_rng():
+            torch.manual_seed(zoo.RECIPES[name]["seed"])
+            init = LlamaForCausalLM(LlamaConfig.from_pretrained(d)).state_dict()
+        weights = load_file(d / "model.safetensors")
+        assert weights.keys() == init.keys() and not torch.equal(weights["lm_head.weight"], init["lm_head.weight"])
+
+
+def digest_of(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_ci_s_store_gives_a_fresh_cache_its_key_s_zoo_and_keeps_only_that_key(tmp_path, monkeypatch):
+    import zoo_store
+
+    built = tmp_path / "cache_a" / "zoo"
+    for entry in ("tokenizer-1", "tiny-teacher-2", ".tiny-student-3-tmp"):  # the last: a build cut short
+        (built / entry).mkdir(parents=True)
+        (built / entry / "model.safetensors").write_bytes(entry.encode())
+    (built / ".tiny-teacher-2.lock").write_text("")
+    store = tmp_path / "store"
+    assert zoo_store.save(store, built) == ["tiny-teacher-2", "tokenizer-1"]
+    assert zoo_store.save(store, built) == []  # kept once
+    fresh = tmp_path / "cache_b" / "zoo"
+    assert zoo_store.restore(store, fresh) == ["tiny-teacher-2", "tokenizer-1"]
+    assert sorted(p.name for p in fresh.iterdir()) == ["tiny-teacher-2", "tokenizer-1"]
+    assert (fresh / "tiny-teacher-2" / "model.safetensors").read_bytes() == b"tiny-teacher-2"
+
+    # the key covers the zoo's code and what it imports from kdsweep/data: a change there is another key
+    repo = tmp_path / "repo"
+    shutil.copytree(zoo_store.REPO / "kdsweep" / "models", repo / "kdsweep" / "models")
+    shutil.copytree(zoo_store.REPO / "kdsweep" / "data", repo / "kdsweep" / "data")
+    assert zoo_store.key(repo) == zoo_store.key()
+    text = repo / "kdsweep" / "data" / "text.py"
+    text.write_text(text.read_text() + "\n")
+    assert zoo_store.key(repo) != zoo_store.key()
+    monkeypatch.setattr(zoo_store, "key", lambda repo=None: "another")  # another key finds nothing; saving it
+    assert zoo_store.restore(store, tmp_path / "cache_c" / "zoo") == []  # keeps only its own zoo
+    assert zoo_store.save(store, built) == ["tiny-teacher-2", "tokenizer-1"]
+    assert [p.name for p in store.iterdir()] == ["another"]
