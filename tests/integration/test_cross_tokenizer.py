@@ -49,16 +49,30 @@ PROFILED = ["profiler.enabled=true", "profiler.with_stack=true", "profiler.wait=
 
 
 @pytest.fixture(scope="module")
-def cross_runs(tmp_path_factory, other_teacher):
+def cross_grid(tmp_path_factory, other_teacher):
+    """gold across tokenizers (chunked) and what its numbers are compared with, one multirun: the same job on 2
+    ranks, and with the fused loss on 1 and 2 ranks; beside it, uld (profiled) in a process of its own."""
+    from test_multirank import multirun
+
     root = tmp_path_factory.mktemp("cross")
-    runs = {loss: root / loss for loss in ("gold", "uld")}
     with ThreadPoolExecutor(2) as pool:  # one thread each: side by side
-        done = [pool.submit(kdsweep, "teacher=tiny_other", f"loss.cross_tokenizer={loss}", "loss.impl=chunked", *SHORT,
-                            *(PROFILED if loss == "uld" else ()), f"hydra.run.dir={run_dir}", cwd=root)
-                for loss, run_dir in runs.items()]
-        for job in done:
-            job.result()
-    return runs
+        grid = pool.submit(multirun, root / "grid", {
+            "gold": ["loss.impl=chunked"],  # first: in a process as fresh as a job of its own
+            "two": ["loss.impl=chunked", "dist.nproc_per_node=2"],
+            "fused_one": ["loss.impl=fused", *SPLIT],
+            "fused_two": ["loss.impl=fused", *SPLIT, "dist=fsdp2_local"],
+        }, "teacher=tiny_other", "loss.cross_tokenizer=gold", *SHORT)
+        uld = pool.submit(kdsweep, "teacher=tiny_other", "loss.cross_tokenizer=uld", "loss.impl=chunked", *SHORT,
+                          *PROFILED, f"hydra.run.dir={root / 'uld'}", cwd=root)
+        proc, dirs = grid.result()
+        uld.result()
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return {**dirs, "uld": root / "uld"}
+
+
+@pytest.fixture(scope="module")
+def cross_runs(cross_grid):
+    return {loss: cross_grid[loss] for loss in ("gold", "uld")}
 
 
 def test_the_second_teacher_distils_across_tokenizers_and_says_what_its_numbers_are(cross_runs):
@@ -123,11 +137,9 @@ def test_one_tokenizer_forced_through_the_cross_tokenizer_path_gives_the_same_nu
                 assert y[key] == pytest.approx(x[key], abs=1e-6, rel=1e-6), (x["kind"], x["step"], key)
 
 
-def test_two_ranks_equal_one_rank_across_tokenizers(cross_runs, tmp_path):
-    two = tmp_path / "two"
-    kdsweep("teacher=tiny_other", "loss.cross_tokenizer=gold", "loss.impl=chunked", *SHORT, "dist.nproc_per_node=2", f"hydra.run.dir={two}",
-            cwd=tmp_path)
-    one = cross_runs["gold"]
+def test_two_ranks_equal_one_rank_across_tokenizers(cross_grid):
+    two = cross_grid["two"]
+    one = cross_grid["gold"]
     assert read_run(two)["world_size"] == 2
     assert read_run(two)["objective"] == pytest.approx(read_run(one)["objective"], abs=1e-5)
     assert read_run(two)["alignment"] == read_run(one)["alignment"]  # every span once, whichever rank reads it
@@ -147,22 +159,16 @@ def assert_same_rows(a, b, tol):
                 assert y[key] == pytest.approx(x[key], abs=tol, rel=tol), (x["kind"], x["step"], key)
 
 
-def test_the_fused_loss_across_tokenizers_trains_as_the_chunked_one(cross_runs, tmp_path):
+def test_the_fused_loss_across_tokenizers_trains_as_the_chunked_one(cross_grid):
     """loss.impl=fused with a teacher of another tokenizer (its hidden states projected one chunk's spans at a time,
     the student's chunk by chunk): the chunked job's numbers on 1 rank, and on 2 FSDP ranks."""
-    runs = {"one": [], "two": ["dist=fsdp2_local"]}
-    with ThreadPoolExecutor(2) as pool:
-        done = [pool.submit(kdsweep, "teacher=tiny_other", "loss.cross_tokenizer=gold", "loss.impl=fused", *SPLIT,
-                            *SHORT, *extra,
-                            f"hydra.run.dir={tmp_path / name}", cwd=tmp_path) for name, extra in runs.items()]
-        for job in done:
-            job.result()
-    chunked = cross_runs["gold"]
-    for name, tol in (("one", 1e-6), ("two", 1e-5)):  # 2 ranks: summation order (as 2 ranks of the chunked loss)
-        fused = read_run(tmp_path / name)
+    chunked = cross_grid["gold"]
+    for name, tol in (("fused_one", 1e-6), ("fused_two", 1e-5)):  # 2 ranks: summation order (as 2 chunked ranks)
+        fused = read_run(cross_grid[name])
         assert fused["config"]["loss"]["impl"] == "fused" and fused["alignment"] == read_run(chunked)["alignment"]
         assert fused["objective"] == pytest.approx(read_run(chunked)["objective"], abs=tol), name
-        assert_same_rows(chunked, tmp_path / name, tol)
+        assert_same_rows(chunked, cross_grid[name], tol)
+    assert read_run(cross_grid["fused_two"])["world_size"] == 2
 
 
 @pytest.fixture(scope="module")

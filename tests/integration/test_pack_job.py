@@ -27,6 +27,7 @@ MEMBERS = [
     dict(model=dict(lora_rank=8, lora_alpha=32.0), optim=dict(lr=1e-2, schedule="constant"),
          loss=dict(kd_ratio=0.5, divergence="jsd", beta=0.5, temperature=1.5)),
 ]
+LOGITS = ["live", "cache", "teachers"]  # a live teacher, a `full` cache, two teachers across tokenizers
 TRAIN_FIELDS = ("loss", "ce", "kd", "kl", "grad_norm", "lr", "tokens")
 EVAL_FIELDS = ("student_ce", "kl", "teacher_ce", "tokens")
 
@@ -110,7 +111,7 @@ def alone(root: Path, logits: str) -> list[Path]:
     return _ALONE[root, logits]
 
 
-@pytest.mark.parametrize("logits", ["live", "cache", "teachers"])
+@pytest.mark.parametrize("logits", LOGITS)
 def test_each_member_of_a_pack_is_the_trial_run_alone(root, logits):
     """Four members (ranks 4/8/16/8, two learning rates and schedules, kd_ratio 0/0.5/1, forward KL and JSD at three
     temperatures, clipping on and off) trained as one pack give the rows, objective and adapter of each trial alone,
@@ -138,36 +139,52 @@ def test_each_member_of_a_pack_is_the_trial_run_alone(root, logits):
 
 
 TWO_RANKS = """
-import sys
+import sys, traceback
 from pathlib import Path
 sys.path[:0] = [{tests!r}, str(Path({tests!r}).parent)]
 import torch
 from kdsweep import app
 from kdsweep.pack import run_pack
-from test_pack_job import MEMBERS, config
+from test_pack_job import LOGITS, MEMBERS, config
 torch.set_num_threads(1)
-cfgs = [config(Path({root!r}), f"{logits}-ranks2-{{i}}", m, {logits!r}, merged=i == 0) for i, m in enumerate(MEMBERS)]
-with app.SESSION.joined(cfgs[0]) as env:
-    results = run_pack(cfgs, dist=env)
-assert [r.status for r in results] == ["completed"] * len(cfgs), results
+root = Path({root!r})
+every = {{logits: [config(root, f"{{logits}}-ranks2-{{i}}", m, logits, merged=i == 0) for i, m in enumerate(MEMBERS)]
+         for logits in LOGITS}}
+with app.SESSION.joined(every["live"][0]) as env:
+    for logits, cfgs in every.items():  # one pack after another in one process group, as a warm worker runs them
+        try:
+            results = run_pack(cfgs, dist=env)
+            said = "ok" if [r.status for r in results] == ["completed"] * len(cfgs) else repr(results)
+        except Exception:
+            said = traceback.format_exc()
+        (root / f"{{logits}}-ranks2.said").write_text(said)
 """
 
 
-@pytest.mark.parametrize("logits", ["live", "cache", "teachers"])
-def test_each_member_of_a_two_rank_pack_is_the_trial_run_alone(root, logits):
-    """The same four members as one pack on two ranks (torchrun: each member's student sharded as its trial's, the
-    rows split between the ranks) give each trial's rows, objective and exported adapter alone on one rank, within
-    1e-5, with a live teacher, a ``full`` cache, and two teachers one of which has another tokenizer."""
+@pytest.fixture(scope="module")
+def two_rank_packs(root):
+    """:data:`MEMBERS` as one pack on two ranks for each of :data:`LOGITS`, one torchrun for the three (after each
+    trial alone: the data and the cache are made by one process, as a sweep's prepare does)."""
     import subprocess
     import sys
 
-    solos = alone(root, logits)  # first: the data and the cache are made by one process, as a sweep's prepare does
+    for logits in LOGITS:
+        alone(root, logits)
     torchrun = str(Path(sys.executable).parent / "torchrun")
-    script = TWO_RANKS.format(tests=str(Path(__file__).parent), root=str(root), logits=logits)
-    proc = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "--no-python", sys.executable, "-c",
-                           script], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for i, solo in enumerate(solos):
+    script = TWO_RANKS.format(tests=str(Path(__file__).parent), root=str(root))
+    return subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "--no-python", sys.executable, "-c",
+                           script], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.parametrize("logits", LOGITS)
+def test_each_member_of_a_two_rank_pack_is_the_trial_run_alone(root, two_rank_packs, logits):
+    """The same four members as one pack on two ranks (torchrun: each member's student sharded as its trial's, the
+    rows split between the ranks) give each trial's rows, objective and exported adapter alone on one rank, within
+    1e-5, with a live teacher, a ``full`` cache, and two teachers one of which has another tokenizer."""
+    said = root / f"{logits}-ranks2.said"
+    assert said.exists() and said.read_text() == "ok", (said.read_text() if said.exists() else "") + \
+        two_rank_packs.stderr[-3000:]
+    for i, solo in enumerate(alone(root, logits)):
         packed = root / "runs" / f"{logits}-ranks2-{i}"
         assert read_run(packed)["world_size"] == 2
         assert_same_run(packed, solo)
@@ -178,16 +195,15 @@ def test_a_pack_runs_the_teacher_once_per_micro_batch(root):
     that reads them: the first member's sources count them, the others count only their own evaluation before
     training (each member's baseline is its own outside a sweep)."""
     from kdsweep.pack import run_pack
-    from kdsweep.train import run
 
     members = [config(root, f"count-pack-{i}", m) for i, m in enumerate(MEMBERS[1:])]
     run_pack(members)
-    solo = config(root, "count-alone", MEMBERS[1])
-    run(solo)
-    costs = [read_run(Path(c.output_dir))["cost"] for c in [solo, *members]]
+    solo = alone(root, "live")[1]  # MEMBERS[1] alone
+    costs = [read_run(d)["cost"] for d in [solo, *(Path(c.output_dir) for c in members)]]
     computed = [c["teacher_tokens_computed"] for c in costs]
-    positions = solo.train.max_steps * solo.data.batch_size * solo.data.seq_len  # packed rows: no padding
-    evaluations = sum(r["kind"] == "eval" for r in read_metrics(Path(solo.output_dir)))  # the baseline's included
+    cfg = members[0]
+    positions = cfg.train.max_steps * cfg.data.batch_size * cfg.data.seq_len  # packed rows: no padding
+    evaluations = sum(r["kind"] == "eval" for r in read_metrics(solo))  # the baseline's included
     assert evaluations >= 3 and (computed[0] - positions) % evaluations == 0
     assert computed[1] == computed[0] and computed[2:] == [(computed[0] - positions) // evaluations] * 2
     # each member's device-seconds are its share of the job's: together the job's wall, each a third of it
@@ -238,10 +254,11 @@ def test_members_that_are_pruned_or_turn_nan_leave_and_the_others_are_unchanged(
     assert lost["status"] == "failed" and lost["error"].startswith("OutOfMemoryError: CUDA out of memory")
     assert [r["step"] for r in read_metrics(Path(cfgs[4].output_dir)) if r["kind"] == "train"] == [1, 2]
     assert read_run(Path(cfgs[1].output_dir))["steps"] == 2
-    for i in (0, 1, 3):
-        solo = config(root, f"leave-alone-{i}", members[i])
-        run(solo, reporter=reporters[i])
-        assert_same_run(Path(cfgs[i].output_dir), Path(solo.output_dir), status="pruned" if i == 1 else "completed")
+    solo = config(root, "leave-alone-1", members[1])
+    run(solo, reporter=reporters[1])
+    assert_same_run(Path(cfgs[1].output_dir), Path(solo.output_dir), status="pruned")
+    for i in (0, 3):  # never pruned (PruneAt(10**9)): the trial alone is alone()'s run of that member
+        assert_same_run(Path(cfgs[i].output_dir), alone(root, "live")[MEMBERS.index(members[i])])
 
 
 @pytest.mark.parametrize("change, hint", [
@@ -358,7 +375,6 @@ def test_a_pack_killed_mid_run_resumes_every_member_from_its_checkpoint(root):
     import sys
 
     from kdsweep.pack import run_pack
-    from kdsweep.train import run
 
     script = KILLED.format(tests=str(Path(__file__).parent), root=str(root))
     proc = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parent, capture_output=True, text=True,
@@ -368,11 +384,9 @@ def test_a_pack_killed_mid_run_resumes_every_member_from_its_checkpoint(root):
     assert all(read_run(Path(c.output_dir))["status"] == "running" for c in cfgs)
     results = run_pack(cfgs)
     assert [r.status for r in results] == ["completed"] * 3
-    for i, m in enumerate(MEMBERS[1:]):
+    for i, solo in enumerate(alone(root, "live")[1:]):  # MEMBERS[1:] alone
         assert read_run(Path(cfgs[i].output_dir))["start_step"] == 3
-        solo = config(root, f"killed-alone-{i}", m)
-        run(solo)
-        assert_same_run(Path(cfgs[i].output_dir), Path(solo.output_dir))
+        assert_same_run(Path(cfgs[i].output_dir), solo)
 
 
 @pytest.mark.parametrize("logits", ["live", "cache"])

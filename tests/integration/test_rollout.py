@@ -47,10 +47,17 @@ def train_lines(run_dir: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def on_policy_1_rank(instructions, tmp_path_factory, zoo_dirs):
-    run_dir = tmp_path_factory.mktemp("lmbda1") / "run"
-    kdsweep(*data(instructions), *SHORT, "lmbda=1", f"hydra.run.dir={run_dir}", cwd=run_dir.parent)
-    return run_dir
+def on_policy_runs(instructions, tmp_path_factory, zoo_dirs):
+    """λ = 1 on one rank at the default kd_ratio (0.5) and at kd_ratio=0: one multirun, the default's job first."""
+    root = tmp_path_factory.mktemp("lmbda1")
+    kdsweep("-m", *data(instructions), *SHORT, "lmbda=1", "kd_ratio=0.5,0", f"hydra.sweep.dir={root / 'sweep'}",
+            cwd=root)
+    return {0.5: root / "sweep" / "0", 0.0: root / "sweep" / "1"}
+
+
+@pytest.fixture(scope="module")
+def on_policy_1_rank(on_policy_runs):
+    return on_policy_runs[0.5]
 
 
 def test_every_step_of_lmbda_1_trains_on_the_student_s_completions(on_policy_1_rank):
@@ -111,11 +118,11 @@ def test_seq_kd_at_kd_ratio_0_trains_on_the_teacher_s_completions_by_ce_alone(in
     assert run["cost"]["teacher_tokens_generated"] == sum(r["generated_tokens"] for r in lines)
 
 
-def test_on_policy_at_kd_ratio_0_still_trains_the_kd_term_on_the_student_s_samples(instructions, tmp_path):
+def test_on_policy_at_kd_ratio_0_still_trains_the_kd_term_on_the_student_s_samples(on_policy_runs):
     """λ = 1 with kd_ratio=0: the student's own samples have no gold labels, so their KD term carries the loss
     whatever kd_ratio says (GKD): the teacher stays in training."""
-    run_dir = tmp_path / "run"
-    kdsweep(*data(instructions), *SHORT, "lmbda=1", "kd_ratio=0", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    run_dir = on_policy_runs[0.0]
+    assert read_run(run_dir)["config"]["loss"]["kd_ratio"] == 0.0
     for r in train_lines(run_dir):
         assert r["rollout"] == "student" and r["loss"] == r["kd"] and r["kd"] > 0 and math.isfinite(r["kl"]), r
     assert "training_steps" not in read_run(run_dir)["teacher_targets"]

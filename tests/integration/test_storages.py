@@ -141,6 +141,11 @@ def test_an_unusable_database_is_one_line_without_the_password(case, tmp_path, r
     assert not any(p.is_dir() and p.name.isdigit() for p in sweep_dir.glob("*")), "no trial may start"
 
 
+# Steps enough that both trials still train well after the server stops at their 5th (down.sh takes about a second,
+# a step a fifth of one here): each reports at least once while it is away.
+RESTART_STEPS = 40
+
+
 def test_a_postgresql_restart_mid_sweep_costs_nothing(tmp_path, zoo_dirs, postgres_server):
     """The real server stopped (pg_ctl -m fast: every session ended) while two trials run and report, and started
     again 10 s later: the sweep completes without a resume, every trial COMPLETE on its merits and none FAIL; the
@@ -152,8 +157,8 @@ def test_a_postgresql_restart_mid_sweep_costs_nothing(tmp_path, zoo_dirs, postgr
     url = fresh_database(postgres_server, "kdsweep_test_restart")
     postgres = Path(__file__).resolve().parents[2] / "launchers" / "postgres"
     with ThreadPoolExecutor(1) as pool:
-        run = pool.submit(tiny_sweep, tmp_path, "restart", f"hydra.sweeper.storage={url}", "train.max_steps=60",
-                          "train.eval_every=5", check=False)
+        run = pool.submit(tiny_sweep, tmp_path, "restart", f"hydra.sweeper.storage={url}",
+                          f"train.max_steps={RESTART_STEPS}", "train.eval_every=5", check=False)
         sweep_dir = tmp_path / "sweep"
         wait_for(lambda: all(len(train_steps(sweep_dir / str(n))) >= 5 for n in (0, 1)), "both trials' 5th step")
         subprocess.run(["bash", str(postgres / "down.sh")], check=True, capture_output=True, timeout=120)
@@ -170,7 +175,7 @@ def test_a_postgresql_restart_mid_sweep_costs_nothing(tmp_path, zoo_dirs, postgr
     waited = [line for n in (0, 1) for line in (sweep_dir / str(n) / "kdsweep.log").read_text().splitlines()
               if "the study's storage is away" in line]
     assert waited, "no trial reported while the server was down"
-    assert all(max(train_steps(sweep_dir / str(n))) == 60 for n in (0, 1))
+    assert all(max(train_steps(sweep_dir / str(n))) == RESTART_STEPS for n in (0, 1))
     assert time.time() - stopped < 300
 
 
