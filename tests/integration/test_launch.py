@@ -158,7 +158,7 @@ def test_a_trial_that_completed_while_no_controller_watched_is_judged_and_the_re
     assert "ended unwatched" in status
 
 
-SMALL = ["train.max_steps=6", "train.eval_every=3", "data.batch_size=16", "data.micro_batch_size=4",
+SMALL = ["train.max_steps=3", "train.eval_every=3", "data.batch_size=16", "data.micro_batch_size=4",
          "checkpoint.save_every=0", "checkpoint.export_merged=false", "checkpoint.export_adapter=false", *QUIET]
 
 
@@ -172,7 +172,7 @@ def one_rank(tmp_path_factory, zoo_dirs):
 def assert_same_run(a: Path, b: Path, tol: float = 1e-5) -> None:
     ra = [r for r in read_metrics(a) if r["kind"] == "train"]
     rb = [r for r in read_metrics(b) if r["kind"] == "train"]
-    assert [r["step"] for r in ra] == [r["step"] for r in rb] == list(range(1, 7))
+    assert [r["step"] for r in ra] == [r["step"] for r in rb] == list(range(1, 4))
     for x, y in zip(ra, rb):
         for key in ("loss", "ce", "kd", "grad_norm"):
             assert x[key] == pytest.approx(y[key], abs=tol, rel=tol), (x["step"], key)
@@ -266,8 +266,8 @@ def too_short_dataset(tmp_path_factory, zoo_dirs):
     root = tmp_path_factory.mktemp("too_short")
     data = root / "short.jsonl"
     data.write_text('{"text": "a short line of text"}\n' * 3)
-    args = ["dist.nproc_per_node=2", "train=smoke", "data=text", f"data.datasets.0.path={data}", "data.seq_len=128",
-            "checkpoint.export_merged=false", *QUIET]
+    args = ["dist.nproc_per_node=2", "train=smoke", "train.max_steps=1", "data=text", f"data.datasets.0.path={data}",
+            "data.seq_len=128", "checkpoint.export_merged=false", *QUIET]
     refused = kdsweep(*args, f"hydra.run.dir={root / 'bad'}", cwd=root, check=False)
     assert "data.seq_len=<at most " in refused.stderr, refused.stderr[-2000:]
     at_most = int(refused.stderr.split("data.seq_len=<at most ")[1].split(">")[0])  # what the line says to pass

@@ -24,6 +24,7 @@ T_975_2DF = 4.303  # t(0.975, 2 df): 95% interval of 3 seeds; the second step of
 T_9875_2DF = 6.205  # t(0.9875, 2 df): the first step of Holm's correction over two comparisons
 STEPS = 20
 SECOND = "lm_eval/kdsweep_next_word"
+ITEMS = 400  # of the shipped task's items, scored by the confirmation's seeds and by kdsweep eval alike
 
 
 def confirmed(tmp_path: Path, name: str, enqueue: list[dict], *overrides: str) -> dict:
@@ -58,10 +59,10 @@ def paired(values: dict, a: str, b: str) -> tuple[float, float, float]:
 def default_point(tmp_path_factory, zoo_dirs):
     """The embedded default's KD point (kd_ratio 0.5, lr 0.01) and the same with lr 0.0105; the trials keep their
     adapters, as the shipped searches' do (kdsweep eval reads them); the confirmation's seeds are also scored on the
-    shipped lm-eval task, at kdsweep eval's batch size (``confirm.also``)."""
+    shipped lm-eval task's first ITEMS items, at kdsweep eval's batch size (``confirm.also``)."""
     return confirmed(tmp_path_factory.mktemp("verdict_default"), "known",
                      [{"kd_ratio": 0.5, "lr": 0.01}, {"kd_ratio": 0.5, "lr": 0.0105}], "checkpoint.export_adapter=true",
-                     f"hydra.sweeper.confirm.also=[{SECOND}]", "downstream.batch_size=32")
+                     f"hydra.sweeper.confirm.also=[{SECOND}]", "downstream.batch_size=32", f"downstream.limit={ITEMS}")
 
 
 def test_kd_at_the_embedded_default_beats_ce_only(default_point):
@@ -97,7 +98,7 @@ def test_eval_scores_the_confirmed_point_and_ce_only_over_their_seeds_beside_the
     from kdsweep.evaluation.task import TASK
 
     sweep = Path(default_point["trials"]["0"]["run_dir"]).parent
-    out = kdsweep("eval", str(sweep), "--json", str(tmp_path / "eval.json"), cwd=tmp_path)
+    out = kdsweep("eval", str(sweep), "--json", str(tmp_path / "eval.json"), "--limit", str(ITEMS), cwd=tmp_path)
     rows = {r["name"]: r for r in json.loads((tmp_path / "eval.json").read_text())["rows"]}
     base = Path(read_run(Path(default_point["trials"]["0"]["run_dir"]))["models"]["student"]).name
     best = default_point["verdict"]["best"]
@@ -105,6 +106,7 @@ def test_eval_scores_the_confirmed_point_and_ce_only_over_their_seeds_beside_the
     for name in (f"{best} (3 seeds)", "ce_only (3 seeds)"):
         r = rows[name]
         assert len(r["values"]) == 3 and r["value"] == pytest.approx(statistics.fmean(r["values"]))
+        assert r["items"] == ITEMS
         assert r["half_width"] == pytest.approx(T_975_2DF * statistics.stdev(r["values"]) / math.sqrt(3), rel=1e-3)
         assert f"{r['value']:.4f} ± {r['half_width']:.4f}" in out.stdout and r["vs_base"] is not None
     # the verdict's second measure: what each seed's trial scored itself once trained is what kdsweep eval measured
