@@ -79,9 +79,10 @@ def test_real_model_presets_are_local_directories_or_hub_ids(group, monkeypatch)
         hub = getattr(convert([f"{group}={option}"]), group).path
         assert HUB_ID.match(hub), (option, hub)
         monkeypatch.setenv("KDSWEEP_CKPTS", "/ckpts")
-        assert getattr(convert([f"{group}={option}"]), group).path == "/ckpts/" + hub.split("/", 1)[1]
+        local = convert([f"{group}={option}"])
+        assert getattr(local, group).path == "/ckpts/" + hub.split("/", 1)[1]
         if group == "model":
-            assert convert([f"{group}={option}"]).model.target_modules == ("all-linear",)
+            assert local.model.target_modules == ("all-linear",)
 
 
 def test_sweep_knobs_reach_their_sections():

@@ -31,13 +31,13 @@ TRIALS = 4 + 1 + 2 * 3  # the search's 4, a CE-only learning-rate trial, the bes
 
 @pytest.fixture(scope="module")
 def sweep_dir(tmp_path_factory, zoo_dirs):
-    """4 trials of 8 steps on 2 warm workers, W&B offline; trial 2's lr cannot learn, and it starts only after a
+    """4 trials of 4 steps on 2 warm workers, W&B offline; trial 2's lr cannot learn, and it starts only after a
     trial has completed (the median pruner's one startup trial), so it is pruned at its first eval. Then trial 4:
     CE-only at a learning rate of its own; trials 5-10: the best point and CE-only, each with 3 fresh seeds
     (hydra.sweeper.confirm)."""
     root = tmp_path_factory.mktemp("analysis")
     body = {"defaults": [{"override /hydra/sweeper": "kdsweep_optuna"}],
-            "train": {"eval_every": 2, "max_steps": 8}, "data": {"test_fraction": 0.05},
+            "train": {"eval_every": 2, "max_steps": 4}, "data": {"test_fraction": 0.05},
             "logger": {"progress_bar": False, "wandb": {"enabled": True, "mode": "offline"}},
             "checkpoint": {"save_every": 0, "export_adapter": False, "export_merged": False},
             "hydra": {"sweeper": {

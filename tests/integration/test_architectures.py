@@ -136,6 +136,8 @@ def test_every_cell_equals_the_one_rank_chunked_run_or_is_refused_in_one_line(ma
 def test_the_exports_reproduce_the_objective(matrix):
     """The adapter loads in peft over the student's base, the merged model in transformers; both score the run's
     objective on the held-out rows (a LoRA on a tied output layer is merged into an untied copy)."""
+    import copy
+
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -148,6 +150,13 @@ def test_the_exports_reproduce_the_objective(matrix):
 
     root, cells, results = matrix
     checked = 0
+    read = {}  # a teacher or a student base, read once per path (a teacher is only run; a base is copied for peft)
+
+    def model_at(path):
+        if path not in read:
+            read[path] = AutoModelForCausalLM.from_pretrained(path)
+        return read[path]
+
     for key, record in results.items():
         if isinstance(record, str):
             continue
@@ -155,11 +164,11 @@ def test_the_exports_reproduce_the_objective(matrix):
         cfg = cells[key]
         rows = Rows.load(Path(record["data"]["cache_dir"]) / "eval.pt")
         batches = eval_batches_of_rank(rows, cfg.data.eval_batch_size, single_process(), torch.device("cpu"))
-        teacher = AutoModelForCausalLM.from_pretrained(cfg.teacher.path)
+        teacher = model_at(cfg.teacher.path)
         loaded = {"merged": AutoModelForCausalLM.from_pretrained(record["exports"]["merged"])}
         if mode == "lora":
-            base = AutoModelForCausalLM.from_pretrained(cfg.model.path)
-            loaded["adapter"] = PeftModel.from_pretrained(base, record["exports"]["adapter"])
+            loaded["adapter"] = PeftModel.from_pretrained(copy.deepcopy(model_at(cfg.model.path)),
+                                                          record["exports"]["adapter"])
         else:
             assert "adapter" not in record["exports"]
         for name, model in loaded.items():

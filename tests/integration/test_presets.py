@@ -7,10 +7,13 @@ two tokenizers."""
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import subprocess
 import tarfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -47,8 +50,9 @@ SHORT = ["train.max_steps=2", "train.eval_every=2", "checkpoint.save_every=0", "
          "data.batch_size=2", "data.micro_batch_size=2", "data.eval_batch_size=2", "data.max_eval_sequences=2"]
 
 
+@functools.cache
 def preset_paths(experiment: str) -> tuple[str, str]:
-    """The checkpoint names a pinned recipe reads (student, teacher)."""
+    """The checkpoint names a pinned recipe reads (student, teacher), composed once per recipe."""
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=conf_dir(), version_base=None):
@@ -68,6 +72,9 @@ def npm_tokenizer(root: Path, family: str) -> Path:
     return folder / "package" / "models"
 
 
+_TOKENIZERS: dict[str, Any] = {}
+
+
 def save_checkpoint(path: Path, name: str, tokenizers: Path, seed: int) -> None:
     """A tiny random-init model shaped as checkpoint ``name`` (its family's architecture, vocabulary rows and tied
     embeddings; 2 layers), saved with the family's tokenizer."""
@@ -75,7 +82,9 @@ def save_checkpoint(path: Path, name: str, tokenizers: Path, seed: int) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     arch, rows, tied, family = CHECKPOINTS[name]
-    tok = AutoTokenizer.from_pretrained(npm_tokenizer(tokenizers, family))
+    if family not in _TOKENIZERS:  # a family's tokenizer.json read once (a second of parsing for the large ones)
+        _TOKENIZERS[family] = AutoTokenizer.from_pretrained(npm_tokenizer(tokenizers, family))
+    tok = copy.copy(_TOKENIZERS[family])  # its own chat template, the family's vocabulary
     if name.startswith("gemma-2-") and name.endswith("-it"):
         tok.chat_template = GEMMA2_IT_TEMPLATE
     config = arch_config(arch, rows, hidden=64 if tied else 96, max_positions=256)

@@ -18,10 +18,13 @@ def test_optuna_sweep_of_two_rank_slurm_trials_survives_a_requeue(tmp_path, zoo_
     sweep_dir = tmp_path / "sweep"
     args = search(tmp_path, "slurm", {
         "n_trials": 3, "max_concurrent": 2, "sampler": "random", "pruner": "none", "poll_s": 0.5,
-        "params": {"kd_ratio": "choice(0.3,0.5,0.7)", "train.device": "choice(cpu,cuda)"},
-        # trial 1 fails inside its job (no CUDA on this machine): SLURM shows it FAILED, the sweep goes on
-        "enqueue": [{"kd_ratio": 0.5, "train.device": "cpu"}, {"kd_ratio": 0.3, "train.device": "cuda"},
-                    {"kd_ratio": 0.7, "train.device": "cpu"}],
+        "params": {"kd_ratio": "choice(0.3,0.5,0.7)", "train.device": "choice(cpu,cuda)",
+                   "train.max_steps": "choice(4,16)"},
+        # trial 1 fails inside its job (no CUDA on this machine): SLURM shows it FAILED, the sweep goes on; trial 2
+        # only has to start in the slot it frees while trial 0 runs: 4 steps
+        "enqueue": [{"kd_ratio": 0.5, "train.device": "cpu", "train.max_steps": 16},
+                    {"kd_ratio": 0.3, "train.device": "cuda", "train.max_steps": 16},
+                    {"kd_ratio": 0.7, "train.device": "cpu", "train.max_steps": 4}],
     }, {"train": {"max_steps": 16, "eval_every": 8}, "checkpoint": {"save_every": 4, "export_adapter": False,
                                                                       "export_merged": False}})
     cmd = [sys.executable, "-m", "kdsweep", *args, "hydra/launcher=submitit_slurm", "cluster=local_cpu",
