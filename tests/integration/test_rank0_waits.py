@@ -3,8 +3,9 @@
 Two 2-rank jobs started together need the same teacher cache, not built yet, with ``dist.timeout_s`` far below the
 build's time: one builds it, the other's rank 0 waits on the build's lock and its rank 1 waits for rank 0's word
 in a file, not in a collective, so both complete (before, the waiting job died in ``broadcast_object`` after
-``dist.timeout_s``). Their teacher is hashed for the first time too, and that takes longer than the timeout (its
-directory holds 2 GB more to read). The same as a Hydra grid on the SLURM cluster. And each rank reads its own share
+``dist.timeout_s``). Their teacher is hashed for the first time too, and that takes longer than the timeout (one
+file of its directory takes twice the timeout to open, as a slow filesystem's would). The same as a Hydra grid on
+the SLURM cluster. And each rank reads its own share
 of each model: a rank 0 that takes 10 s a file is waited for outside collectives. Waiting ranks say so in their logs
 (``KDSWEEP_WAIT_SAY_S``: every second here, a minute by default).
 """
@@ -59,14 +60,31 @@ def _longest_wait(log: str, what: str) -> float:
     return max(waits, default=0.0)
 
 
+# The teacher's hash on a slow filesystem: its one extra file (slow_to_hash) takes twice the timeout to open, on any
+# machine (2 GB of zeros took 2 s to hash here, under the timeout on a quiet machine, over it on a busy one)
+SLOW_HASH = f"""
+import builtins, time
+
+_open = builtins.open
+
+
+def _slow_open(file, *args, **kwargs):
+    if str(file).endswith("padding.bin"):
+        time.sleep({2 * TIMEOUT_S})
+    return _open(file, *args, **kwargs)
+
+
+builtins.open = _slow_open
+"""
+
+
 def slow_to_hash(teacher, zoo_teacher):
-    """The embedded teacher's files, and 2 GB more the hash reads (sparse on disk): seconds, whatever the disk."""
+    """The embedded teacher's files, and one more that only the hash reads, slow to open (SLOW_HASH)."""
     teacher.mkdir()
     for f in zoo_teacher.iterdir():
         if f.is_file():
             os.link(f, teacher / f.name)
-    with open(teacher / "padding.bin", "wb") as f:
-        f.truncate(2 * 2**30)
+    (teacher / "padding.bin").write_bytes(b"\0" * 4096)
     return teacher
 
 
@@ -75,8 +93,9 @@ def two_jobs_one_cache(tmp_path_factory, zoo_dirs):
     root = tmp_path_factory.mktemp("two_jobs")
     teacher = slow_to_hash(root / "teacher", zoo_dirs["teacher"])
     cache = root / "teacher_cache"
+    env = {**SAY, **with_sitecustomize(root / "slow_hash_site", SLOW_HASH)}
     procs = {name: _start([*JOB, *CACHE, f"teacher.path={teacher}", f"teacher.cache.dir={cache}",
-                           f"hydra.run.dir={root / name}"], root, SAY) for name in ("a", "b")}
+                           f"hydra.run.dir={root / name}"], root, env) for name in ("a", "b")}
     outs = {name: p.communicate(timeout=600) for name, p in procs.items()}
     return root, procs, outs
 
