@@ -51,10 +51,13 @@ def _copy(src: Path, into: Path) -> None:
     if (into / src.name).exists():
         return
     tmp = into / f".tmp-{src.name}-{os.getpid()}"
-    shutil.copytree(src, tmp)
     try:
+        shutil.copytree(src, tmp)
         os.rename(tmp, into / src.name)
-    except OSError:  # another copy got there first
+    except OSError:
+        if not (into / src.name).is_dir():  # anything but "another copy got there first" is an error
+            raise
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 

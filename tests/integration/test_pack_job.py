@@ -139,7 +139,7 @@ def test_each_member_of_a_pack_is_the_trial_run_alone(root, logits):
 
 
 TWO_RANKS = """
-import sys, traceback
+import os, sys, traceback
 from pathlib import Path
 sys.path[:0] = [{tests!r}, str(Path({tests!r}).parent)]
 import torch
@@ -157,7 +157,7 @@ with app.SESSION.joined(every["live"][0]) as env:
             said = "ok" if [r.status for r in results] == ["completed"] * len(cfgs) else repr(results)
         except Exception:
             said = traceback.format_exc()
-        (root / f"{{logits}}-ranks2.said").write_text(said)
+        (root / f"{{logits}}-ranks2.rank{{os.environ['RANK']}}.said").write_text(said)
 """
 
 
@@ -181,9 +181,11 @@ def test_each_member_of_a_two_rank_pack_is_the_trial_run_alone(root, two_rank_pa
     """The same four members as one pack on two ranks (torchrun: each member's student sharded as its trial's, the
     rows split between the ranks) give each trial's rows, objective and exported adapter alone on one rank, within
     1e-5, with a live teacher, a ``full`` cache, and two teachers one of which has another tokenizer."""
-    said = root / f"{logits}-ranks2.said"
-    assert said.exists() and said.read_text() == "ok", (said.read_text() if said.exists() else "") + \
-        two_rank_packs.stderr[-3000:]
+    for rank in (0, 1):  # what each rank said of this pack, then the torchrun's own exit
+        said = root / f"{logits}-ranks2.rank{rank}.said"
+        assert said.exists() and said.read_text() == "ok", (said.read_text() if said.exists() else "") + \
+            two_rank_packs.stderr[-3000:]
+    assert two_rank_packs.returncode == 0, two_rank_packs.stderr[-3000:]
     for i, solo in enumerate(alone(root, logits)):
         packed = root / "runs" / f"{logits}-ranks2-{i}"
         assert read_run(packed)["world_size"] == 2

@@ -46,15 +46,17 @@ def test_cache_key_covers_the_corpus_and_the_recipe(tmp_path, monkeypatch):
 def test_each_model_pretrains_through_the_zoo_s_own_code_at_two_steps(tmp_path, monkeypatch):
     """The first-run build, end to end, at a two-step recipe (CI keeps the real zoo between runs: zoo_store): the
     tokenizers trained, each model pre-trained, saved and loadable as a Hugging Face directory, bit for bit the same
-    in a second cache, and trained (its weights are not the initialisation)."""
+    in a second cache, and trained: its weights are not those the same build saves at a learning rate of 0, which
+    are the initialisation at the recipe's seed."""
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    for name in zoo.ARCHS:
-        monkeypatch.setitem(zoo.RECIPES, name, {**zoo.RECIPES[name], "steps": 2})
     built = {}
-    for cache in ("one", "two"):
+    recipes = dict(zoo.RECIPES)
+    for cache, change in (("one", {}), ("two", {}), ("zero", {"lr": 0.0})):
+        for name in zoo.ARCHS:
+            monkeypatch.setitem(zoo.RECIPES, name, {**recipes[name], "steps": 2, **change})
         monkeypatch.setenv("KDSWEEP_CACHE", str(tmp_path / cache))
         with torch.random.fork_rng():
             built[cache] = {name: zoo.model_dir(name) for name in zoo.ARCHS}
@@ -68,8 +70,10 @@ def test_each_model_pretrains_through_the_zoo_s_own_code_at_two_steps(tmp_path, 
         with torch.random.fork_rng():
             torch.manual_seed(zoo.RECIPES[name]["seed"])
             init = LlamaForCausalLM(LlamaConfig.from_pretrained(d)).state_dict()
-        weights = load_file(d / "model.safetensors")
-        assert weights.keys() == init.keys() and not torch.equal(weights["lm_head.weight"], init["lm_head.weight"])
+        weights, untrained = (load_file(b[name] / "model.safetensors") for b in (built["one"], built["zero"]))
+        assert weights.keys() == init.keys() == untrained.keys()
+        assert all(torch.equal(untrained[k], init[k]) for k in init), name
+        assert not torch.equal(weights["lm_head.weight"], init["lm_head.weight"]), name
 
 
 def digest_of(path: Path) -> str:
