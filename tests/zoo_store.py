@@ -15,12 +15,13 @@ code at a two-step recipe, and builds the tokenizers from scratch.
 from __future__ import annotations
 
 import hashlib
-import os
 import platform
 import shutil
 import sys
 from importlib import metadata
 from pathlib import Path
+
+from kdsweep.data.cache import built_once
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("torch", "transformers", "tokenizers", "safetensors")
@@ -47,23 +48,14 @@ def _entries(directory: Path) -> list[Path]:
 
 
 def _copy(src: Path, into: Path) -> None:
-    """``src`` into ``into``, appearing whole by a rename (as the zoo's own builds appear), unless it is there."""
-    if (into / src.name).exists():
-        return
-    tmp = into / f".tmp-{src.name}-{os.getpid()}"
-    try:
-        shutil.copytree(src, tmp)
-        os.rename(tmp, into / src.name)
-    except OSError:
-        if not (into / src.name).is_dir():  # anything but "another copy got there first" is an error
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    """``src`` into ``into`` (unless it is there), appearing whole by a rename, as the zoo's own builds appear."""
+    with built_once(into, src.name) as (_, tmp):
+        if tmp is not None:
+            shutil.copytree(src, tmp, dirs_exist_ok=True)
 
 
 def restore(store: Path, zoo: Path) -> list[str]:
     """Copy the store's zoo for this key into the cache's zoo directory; the names copied."""
-    zoo.mkdir(parents=True, exist_ok=True)
     found = _entries(store / key())
     for entry in found:
         _copy(entry, zoo)
@@ -74,7 +66,7 @@ def save(store: Path, zoo: Path) -> list[str]:
     """Keep what the cache's zoo holds that the store lacks for this key, and only this key's zoo; the names
     kept."""
     into = store / key()
-    into.mkdir(parents=True, exist_ok=True)
+    into.mkdir(parents=True, exist_ok=True)  # (built_once makes it too, but only when there is something to keep)
     for old in store.iterdir():  # a zoo no run of this code and these packages builds again
         if old != into and not old.name.startswith("."):
             shutil.rmtree(old, ignore_errors=True)

@@ -137,6 +137,7 @@ def test_the_exports_reproduce_the_objective(matrix):
     """The adapter loads in peft over the student's base, the merged model in transformers; both score the run's
     objective on the held-out rows (a LoRA on a tied output layer is merged into an untied copy)."""
     import copy
+    import functools
 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -150,13 +151,8 @@ def test_the_exports_reproduce_the_objective(matrix):
 
     root, cells, results = matrix
     checked = 0
-    read = {}  # a teacher or a student base, read once per path (a teacher is only run; a base is copied for peft)
-
-    def model_at(path):
-        if path not in read:
-            read[path] = AutoModelForCausalLM.from_pretrained(path)
-        return read[path]
-
+    # a teacher or a student base, read once per path (a teacher is only run; a base is copied for peft)
+    model_at = functools.cache(AutoModelForCausalLM.from_pretrained)
     for key, record in results.items():
         if isinstance(record, str):
             continue

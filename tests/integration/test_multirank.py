@@ -368,7 +368,7 @@ def test_unresolvable_master_under_torchrun_is_one_line(tmp_path):
 
 def test_multirun_of_one_then_two_ranks_in_one_process(small):
     """The second job's ranks start after this process trained the first job itself (no fork deadlock)."""
-    proc, dirs = small
+    _, dirs = small  # completed
     assert list(dirs)[:2] == ["one_rank", "two"]  # in this order, in one multirun
     one, two = read_run(dirs["one_rank"]), read_run(dirs["two"])
     assert (one["world_size"], two["world_size"]) == (1, 2)

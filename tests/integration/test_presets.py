@@ -72,19 +72,22 @@ def npm_tokenizer(root: Path, family: str) -> Path:
     return folder / "package" / "models"
 
 
-_TOKENIZERS: dict[str, Any] = {}
+@functools.cache
+def family_tokenizer(tokenizers: Path, family: str) -> Any:
+    """A family's npm tokenizer, read once (a second of parsing for the large ones)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(npm_tokenizer(tokenizers, family))
 
 
 def save_checkpoint(path: Path, name: str, tokenizers: Path, seed: int) -> None:
     """A tiny random-init model shaped as checkpoint ``name`` (its family's architecture, vocabulary rows and tied
     embeddings; 2 layers), saved with the family's tokenizer."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     arch, rows, tied, family = CHECKPOINTS[name]
-    if family not in _TOKENIZERS:  # a family's tokenizer.json read once (a second of parsing for the large ones)
-        _TOKENIZERS[family] = AutoTokenizer.from_pretrained(npm_tokenizer(tokenizers, family))
-    tok = copy.copy(_TOKENIZERS[family])  # its own chat template, the family's vocabulary
+    tok = copy.copy(family_tokenizer(tokenizers, family))  # its own chat template, the family's vocabulary
     if name.startswith("gemma-2-") and name.endswith("-it"):
         tok.chat_template = GEMMA2_IT_TEMPLATE
     config = arch_config(arch, rows, hidden=64 if tied else 96, max_positions=256)

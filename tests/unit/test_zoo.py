@@ -66,7 +66,7 @@ def test_each_model_pretrains_through_the_zoo_s_own_code_at_two_steps(tmp_path, 
         model = AutoModelForCausalLM.from_pretrained(d)
         assert len(tok) == zoo.vocab_size(name) == model.config.vocab_size
         assert model.config.hidden_size == zoo.ARCHS[name]["hidden_size"]
-        assert digest_of(d / "model.safetensors") == digest_of(built["two"][name] / "model.safetensors"), name
+        assert (d / "model.safetensors").read_bytes() == (built["two"][name] / "model.safetensors").read_bytes(), name
         with torch.random.fork_rng():
             torch.manual_seed(zoo.RECIPES[name]["seed"])
             init = LlamaForCausalLM(LlamaConfig.from_pretrained(d)).state_dict()
@@ -74,10 +74,6 @@ def test_each_model_pretrains_through_the_zoo_s_own_code_at_two_steps(tmp_path, 
         assert weights.keys() == init.keys() == untrained.keys()
         assert all(torch.equal(untrained[k], init[k]) for k in init), name
         assert not torch.equal(weights["lm_head.weight"], init["lm_head.weight"]), name
-
-
-def digest_of(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def test_ci_s_store_gives_a_fresh_cache_its_key_s_zoo_and_keeps_only_that_key(tmp_path, monkeypatch):
@@ -93,7 +89,7 @@ def test_ci_s_store_gives_a_fresh_cache_its_key_s_zoo_and_keeps_only_that_key(tm
     assert zoo_store.save(store, built) == []  # kept once
     fresh = tmp_path / "cache_b" / "zoo"
     assert zoo_store.restore(store, fresh) == ["tiny-teacher-2", "tokenizer-1"]
-    assert sorted(p.name for p in fresh.iterdir()) == ["tiny-teacher-2", "tokenizer-1"]
+    assert sorted(p.name for p in fresh.iterdir() if p.is_dir()) == ["tiny-teacher-2", "tokenizer-1"]  # no temp dir
     assert (fresh / "tiny-teacher-2" / "model.safetensors").read_bytes() == b"tiny-teacher-2"
 
     # the key covers the zoo's code and what it imports from kdsweep/data: a change there is another key
