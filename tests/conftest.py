@@ -60,6 +60,9 @@ def pytest_collection_finish(session):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    import zygote
+
+    zygote.close_all()
     for proc in _zoo_build:  # a session cut short: its half-built model is a temp directory nothing reads
         if proc.poll() is None:
             proc.terminate()

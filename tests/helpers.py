@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -111,20 +112,33 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+# What a gloo rank imports, once per test worker: its forkserver imports it, and each rank is forked from there.
+GLOO_PRELOAD = ["torch.distributed", "kdsweep.train.loop", "kdsweep.models.load", "transformers.modeling_utils",
+                "peft", "helpers"]
+
+
 def gloo_ranks(body, *args, tmp_path: Path, nprocs: int = 2, timeout_s: float = 120) -> None:
-    """Run ``body(rank, *args)`` in ``nprocs`` spawned gloo ranks of one process group (a module-level function:
-    spawned children import it). Every test that starts ranks itself goes through here, so all of them tear down
-    the same safe way (see :func:`_gloo_rank`)."""
+    """Run ``body(rank, *args)`` in ``nprocs`` gloo ranks of one process group (a module-level function: the ranks
+    import it). Every test that starts ranks itself goes through here, so all of them tear down the same safe way
+    (see :func:`_gloo_rank`).
+
+    The ranks are forked from multiprocessing's forkserver, as a local job's ranks are (``distributed.launch``):
+    a fresh process that imported :data:`GLOO_PRELOAD` once for this test worker, never one that ran OpenMP kernels
+    (a fork after those can deadlock in the first matmul). Each rank takes this process's environment and
+    directory of now, as a spawned one would."""
+    import multiprocessing
     import tempfile
 
     import torch.multiprocessing as mp
 
-    # spawn, not fork: a fork after this process ran OpenMP kernels can deadlock in the first matmul
-    mp.start_processes(_gloo_rank, args=(body, tempfile.mktemp(dir=tmp_path), nprocs, timeout_s, args),
-                       nprocs=nprocs, start_method="spawn")
+    multiprocessing.set_forkserver_preload(GLOO_PRELOAD)  # for a server started now; a running one keeps its own
+    mp.start_processes(_gloo_rank, args=(body, tempfile.mktemp(dir=tmp_path), nprocs, timeout_s, args,
+                                         dict(os.environ), os.getcwd()),
+                       nprocs=nprocs, start_method="forkserver")
 
 
-def _gloo_rank(rank: int, body, init_file: str, world: int, timeout_s: float, args: tuple) -> None:
+def _gloo_rank(rank: int, body, init_file: str, world: int, timeout_s: float, args: tuple, env: dict,
+               cwd: str) -> None:
     """One rank: join, run ``body``, then leave only once every rank is done with every collective.
 
     - A barrier after joining: the ranks' connections are all made before any rank goes on.
@@ -136,10 +150,12 @@ def _gloo_rank(rank: int, body, init_file: str, world: int, timeout_s: float, ar
     import datetime
     import faulthandler
     import gc
-    import os
 
     import torch.distributed as dist
 
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
     faulthandler.enable()  # a native abort prints every thread's stack into the test's output
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT="0")

@@ -1,0 +1,276 @@
+"""The tests' ``python -m kdsweep`` jobs, forked from a Python that has already imported what every job imports.
+
+Most of a test job's CPU is its imports: torch, transformers (which reads every model's source to index itself),
+peft, hydra, kdsweep; about 4.5 CPU-seconds of a 2-step job's 6.8, and the suite starts a few hundred such jobs on
+CI's two cores. A zygote is a fresh Python, started in the environment the jobs get, that imports them once and
+then forks each job (the way a local job's ranks are forked from their preloaded forkserver: never from a process
+that has run OpenMP kernels). What a job does from then on is what ``python -m kdsweep ARGS`` does in a fresh
+process, and :func:`run` checks what could tell the two apart:
+
+- **the environment**: a zygote serves only jobs whose environment is the one it imported in (the test's
+  ``PYTEST_CURRENT_TEST`` aside, which nothing reads at import); any other environment starts a fresh process;
+- **what the imports print**: whatever the zygote's imports wrote to stdout and stderr (a library's warning) is
+  written again at the start of each job's own stdout and stderr, as a fresh process would print it;
+- **the process**: the job has its own pid, directory, ``sys.argv``, ``sys.path[0]`` (the directory, as for
+  ``-m``), file descriptors 0-2 (stdin ``/dev/null``; stdout and stderr pipes read to their end, as
+  ``subprocess.run`` reads them) and exit status; it ends as an interpreter ends (non-daemon threads joined,
+  ``atexit`` run), and a timeout kills it as ``subprocess.run`` kills its child.
+
+A test about how a process starts (its imports, its command line in ``/proc``) passes ``fresh=True`` to
+``conftest.kdsweep``. ``KDSWEEP_TEST_ZYGOTE=0`` turns zygotes off for a whole session.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+# What a job imports before it does anything of its own (python -X importtime -m kdsweep train.max_steps=2).
+PRELOAD = ["kdsweep.cli", "kdsweep.app", "kdsweep.train.loop", "kdsweep.models.load", "kdsweep.models.targets",
+           "transformers.modeling_utils", "transformers.models.llama.modeling_llama", "peft", "hydra"]
+VOLATILE = {"PYTEST_CURRENT_TEST"}  # set by pytest for each test; read by nothing at import
+ENABLED = os.environ.get("KDSWEEP_TEST_ZYGOTE", "1") != "0"
+
+
+def _key(env: dict[str, str]) -> tuple:
+    return tuple(sorted((k, v) for k, v in env.items() if k not in VOLATILE))
+
+
+class Zygote:
+    """One preloaded server, for one environment."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.dir = tempfile.mkdtemp(prefix="kdsweep-zygote-")
+        self.path = os.path.join(self.dir, "sock")
+        self.proc = subprocess.Popen([sys.executable, __file__, self.path], env=env, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=self.dir)
+
+    def _connect(self, timeout: float = 300) -> socket.socket:
+        deadline = time.monotonic() + timeout
+        while True:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                s.connect(self.path)
+                return s
+            except OSError:
+                s.close()
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"the zygote ended ({self.proc.returncode}): {self.proc.stderr.read()}")
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def run(self, argv: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+        """``subprocess.run([python, *argv], cwd=, env=, capture_output=True, text=True, timeout=)``, forked."""
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        conn = self._connect()
+        try:
+            with open(os.devnull, "rb") as null:
+                socket.send_fds(conn, [json.dumps({"argv": argv, "cwd": str(cwd), "env": env}).encode() + b"\n"],
+                                [null.fileno(), out_w, err_w])
+        finally:
+            os.close(out_w)
+            os.close(err_w)
+        pending = [b""]
+
+        def number(deadline: float | None) -> int:  # the supervisor's next line: the job's pid, then its status
+            while b"\n" not in pending[0]:
+                conn.settimeout(None if deadline is None else max(0.001, deadline - time.monotonic()))
+                data = conn.recv(64)
+                if not data:
+                    raise RuntimeError("the zygote's supervisor of a job ended without its status")
+                pending[0] += data
+            line, pending[0] = pending[0].split(b"\n", 1)
+            return int(line)
+
+        pid = number(None)
+        chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
+
+        def drain(fd: int) -> None:
+            with os.fdopen(fd, "rb") as f:
+                while data := f.read1(1 << 16):
+                    chunks[fd].append(data)
+
+        threads = [threading.Thread(target=drain, args=(fd,), daemon=True) for fd in (out_r, err_r)]
+        for t in threads:
+            t.start()
+        try:
+            status = number(time.monotonic() + timeout)
+        except TimeoutError:
+            _kill(pid)
+            for t in threads:
+                t.join()
+            raise subprocess.TimeoutExpired([sys.executable, *argv], timeout, b"".join(chunks[out_r]),
+                                            b"".join(chunks[err_r])) from None
+        finally:
+            conn.close()
+        for t in threads:
+            t.join()
+        # as text=True reads them: universal newlines (a progress bar's \r is a \n)
+        text = [b"".join(chunks[fd]).decode(errors="replace").replace("\r\n", "\n").replace("\r", "\n")
+                for fd in (out_r, err_r)]
+        return subprocess.CompletedProcess([sys.executable, *argv], status, text[0], text[1])
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self.proc.stderr.close()
+        for name in ("sock",):
+            try:
+                os.unlink(os.path.join(self.dir, name))
+            except OSError:
+                pass
+        os.rmdir(self.dir)
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+_zygotes: dict[tuple, Zygote] = {}
+_asked: dict[tuple, int] = {}
+
+
+def run(argv: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess | None:
+    """The job forked from the zygote of ``env``, or None where it should run fresh: zygotes off, or the first job
+    in this environment (a zygote costs a job's imports: only an environment asked for twice gets one)."""
+    if not ENABLED:
+        return None
+    key = _key(env)
+    _asked[key] = _asked.get(key, 0) + 1
+    if key not in _zygotes:
+        if _asked[key] < 2:
+            return None
+        while len(_zygotes) >= 2:  # the oldest environment's goes
+            _zygotes.pop(next(iter(_zygotes))).close()
+        _zygotes[key] = Zygote({k: v for k, v in env.items() if k not in VOLATILE})
+    return _zygotes[key].run(argv, cwd, env, timeout)
+
+
+def close_all() -> None:
+    while _zygotes:
+        _zygotes.popitem()[1].close()
+
+
+# --- the server (this file run as a script) -------------------------------------------------------------------
+
+
+def _serve(path: str) -> None:
+    import importlib
+
+    del sys.path[0]  # this file's directory: a job's first entry is its own directory (set when it is forked)
+    said = []
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        saved = os.dup(1), os.dup(2)
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        try:
+            for name in PRELOAD:
+                importlib.import_module(name)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+        for f in (out, err):
+            f.seek(0)
+            said.append(f.read())
+    parent = os.getppid()
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the supervisors are reaped by the kernel
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path + ".tmp")
+    server.listen(16)
+    os.rename(path + ".tmp", path)  # a client connects only once the imports are done
+    server.settimeout(1.0)
+    while os.getppid() == parent:  # the test session's worker went: so does its zygote
+        try:
+            conn, _ = server.accept()
+        except TimeoutError:
+            continue
+        conn.settimeout(None)
+        msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+        while msg and not msg.endswith(b"\n"):
+            msg += conn.recv(1 << 20) or b"\n"  # a client gone mid-message: json.loads fails in its job, not here
+        if os.fork() == 0:  # the supervisor: forks the job, tells the client its pid, then its exit status
+            server.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            job = os.fork()
+            if job == 0:
+                conn.close()
+                _job(json.loads(msg), fds, said)  # never returns
+            for fd in fds:
+                os.close(fd)
+            conn.sendall(f"{job}\n".encode())
+            _, status = os.waitpid(job, 0)
+            code = os.waitstatus_to_exitcode(status)
+            try:
+                conn.sendall(f"{code}\n".encode())
+            finally:
+                os._exit(0)
+        conn.close()
+        for fd in fds:
+            os.close(fd)
+
+
+def _job(request: dict, fds: list[int], said: list[bytes]) -> None:
+    import runpy
+
+    for i, fd in enumerate(fds):
+        os.dup2(fd, i)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    sys.path.insert(0, os.getcwd())
+    for fd, text in ((1, said[0]), (2, said[1])):
+        if text:
+            os.write(fd, text)
+    argv = request["argv"]
+    assert argv[0] == "-m", argv
+    sys.argv = [argv[1], *argv[2:]]
+    try:
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    except BaseException:
+        sys.excepthook(*sys.exc_info())  # the traceback an interpreter prints, then its status
+        code = 1
+    _end(code)
+
+
+def _end(code: object) -> None:
+    """End as an interpreter ends (Py_FinalizeEx: non-daemon threads joined, ``atexit`` run, stdio flushed), less
+    its teardown of every module: 1.2 s of CPU after torch and transformers in a fresh process, more in a fork (its
+    pages are copied as the teardown touches them), and what multiprocessing's children skip too."""
+    import atexit
+
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    threading._shutdown()  # noqa: SLF001 - what the interpreter calls first at exit
+    atexit._run_exitfuncs()  # noqa: SLF001
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code & 0xFF)
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1])
