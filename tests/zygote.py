@@ -8,13 +8,15 @@ that has run OpenMP kernels). What a job does from then on is what ``python -m k
 process, and :func:`run` checks what could tell the two apart:
 
 - **the environment**: a zygote serves only jobs whose environment is the one it imported in (the test's
-  ``PYTEST_CURRENT_TEST`` aside, which nothing reads at import); any other environment starts a fresh process;
+  ``PYTEST_CURRENT_TEST`` aside, which nothing reads at import); the first job in another environment starts a
+  fresh process, and a second one that environment's own zygote (a test worker keeps three);
 - **what the imports print**: whatever the zygote's imports wrote to stdout and stderr (a library's warning) is
   written again at the start of each job's own stdout and stderr, as a fresh process would print it;
 - **the process**: the job has its own pid, directory, ``sys.argv``, ``sys.path[0]`` (the directory, as for
   ``-m``), file descriptors 0-2 (stdin ``/dev/null``; stdout and stderr pipes read to their end, as
-  ``subprocess.run`` reads them) and exit status; it ends as an interpreter ends (non-daemon threads joined,
-  ``atexit`` run), and a timeout kills it as ``subprocess.run`` kills its child.
+  ``subprocess.run`` reads them) and exit status; it runs in an empty ``__main__`` as ``-m`` does (a traceback
+  reads the same); it ends as an interpreter ends (non-daemon threads joined, ``atexit`` run, stdio flushed) but
+  for the teardown of every module, and a timeout kills it as ``subprocess.run`` kills its child.
 
 A test about how a process starts (its imports, its command line in ``/proc``) passes ``fresh=True`` to
 ``conftest.kdsweep``. ``KDSWEEP_TEST_ZYGOTE=0`` turns zygotes off for a whole session.
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -47,11 +50,12 @@ def _key(env: dict[str, str]) -> tuple:
 class Zygote:
     """One preloaded server, for one environment."""
 
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], preload: list[str] = PRELOAD) -> None:
         self.dir = tempfile.mkdtemp(prefix="kdsweep-zygote-")
         self.path = os.path.join(self.dir, "sock")
-        self.proc = subprocess.Popen([sys.executable, __file__, self.path], env=env, stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=self.dir)
+        self.log = open(os.path.join(self.dir, "server.log"), "w+b")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen([sys.executable, "-c", SERVE, __file__, self.path, *preload], env=env,
+                                     stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log, cwd=self.dir)
 
     def _connect(self, timeout: float = 300) -> socket.socket:
         deadline = time.monotonic() + timeout
@@ -63,7 +67,8 @@ class Zygote:
             except OSError:
                 s.close()
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"the zygote ended ({self.proc.returncode}): {self.proc.stderr.read()}")
+                    self.log.seek(0)
+                    raise RuntimeError(f"the zygote ended ({self.proc.returncode}): {self.log.read().decode()}")
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
@@ -123,13 +128,8 @@ class Zygote:
     def close(self) -> None:
         self.proc.kill()
         self.proc.wait()
-        self.proc.stderr.close()
-        for name in ("sock",):
-            try:
-                os.unlink(os.path.join(self.dir, name))
-            except OSError:
-                pass
-        os.rmdir(self.dir)
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def _kill(pid: int) -> None:
@@ -141,6 +141,7 @@ def _kill(pid: int) -> None:
 
 _zygotes: dict[tuple, Zygote] = {}
 _asked: dict[tuple, int] = {}
+_lock = threading.Lock()
 
 
 def run(argv: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess | None:
@@ -149,14 +150,16 @@ def run(argv: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subp
     if not ENABLED:
         return None
     key = _key(env)
-    _asked[key] = _asked.get(key, 0) + 1
-    if key not in _zygotes:
-        if _asked[key] < 2:
-            return None
-        while len(_zygotes) >= 2:  # the oldest environment's goes
-            _zygotes.pop(next(iter(_zygotes))).close()
-        _zygotes[key] = Zygote({k: v for k, v in env.items() if k not in VOLATILE})
-    return _zygotes[key].run(argv, cwd, env, timeout)
+    with _lock:  # jobs may be started from several threads of a test
+        _asked[key] = _asked.get(key, 0) + 1
+        if key not in _zygotes:
+            if _asked[key] < 2:
+                return None
+            while len(_zygotes) >= 3:  # the oldest environment's goes
+                _zygotes.pop(next(iter(_zygotes))).close()
+            _zygotes[key] = Zygote({k: v for k, v in env.items() if k not in VOLATILE}, PRELOAD)
+        zygote = _zygotes[key]
+    return zygote.run(argv, cwd, env, timeout)
 
 
 def close_all() -> None:
@@ -164,20 +167,24 @@ def close_all() -> None:
         _zygotes.popitem()[1].close()
 
 
-# --- the server (this file run as a script) -------------------------------------------------------------------
+# --- the server ------------------------------------------------------------------------------------------------
+
+# The server's own __main__ is ``-c``'s, as empty as a fresh ``python -m``'s is before the module runs in it.
+SERVE = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('kdsweep_zygote', sys.argv[1]); "
+         "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); "
+         "module._serve(sys.argv[2], sys.argv[3:])")
 
 
-def _serve(path: str) -> None:
+def _serve(path: str, preload: list[str]) -> None:
     import importlib
 
-    del sys.path[0]  # this file's directory: a job's first entry is its own directory (set when it is forked)
     said = []
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         saved = os.dup(1), os.dup(2)
         os.dup2(out.fileno(), 1)
         os.dup2(err.fileno(), 2)
         try:
-            for name in PRELOAD:
+            for name in preload:
                 importlib.import_module(name)
         finally:
             sys.stdout.flush()
@@ -225,6 +232,8 @@ def _serve(path: str) -> None:
 
 
 def _job(request: dict, fds: list[int], said: list[bytes]) -> None:
+    """Become ``python -m MODULE ARGS`` (``runpy._run_module_as_main``, what ``-m`` calls) in the request's
+    directory and environment, and end with its status."""
     import runpy
 
     for i, fd in enumerate(fds):
@@ -233,20 +242,25 @@ def _job(request: dict, fds: list[int], said: list[bytes]) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
-    sys.path.insert(0, os.getcwd())
+    sys.path[0] = os.getcwd()  # -m's first entry: the directory (-c's, the server's, is "")
     for fd, text in ((1, said[0]), (2, said[1])):
         if text:
             os.write(fd, text)
     argv = request["argv"]
     assert argv[0] == "-m", argv
-    sys.argv = [argv[1], *argv[2:]]
+    sys.argv = ["-m", *argv[2:]]  # as -m leaves it until the module is found
+    main = sys.modules["__main__"].__dict__
+    builtins = main["__builtins__"]
+    main.clear()
+    main["__builtins__"] = builtins
     try:
-        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        runpy._run_module_as_main(argv[1], alter_argv=True)  # noqa: SLF001
         code = 0
     except SystemExit as e:
         code = e.code
     except BaseException:
-        sys.excepthook(*sys.exc_info())  # the traceback an interpreter prints, then its status
+        kind, error, trace = sys.exc_info()
+        sys.excepthook(kind, error.with_traceback(trace.tb_next), trace.tb_next)  # from runpy's frames down, as -m
         code = 1
     _end(code)
 
@@ -270,7 +284,3 @@ def _end(code: object) -> None:
         except (OSError, ValueError):
             pass
     os._exit(code & 0xFF)
-
-
-if __name__ == "__main__":
-    _serve(sys.argv[1])

@@ -14,15 +14,23 @@ QUIET = ["logger=quiet"]
 
 def kdsweep(*args: str, cwd: Path, check: bool = True, timeout: float = 600,
             env_extra: dict[str, str] | None = None, fresh: bool = False) -> subprocess.CompletedProcess:
-    """Run ``python -m kdsweep ARGS`` as a user would, in ``cwd`` (``env_extra``: more environment variables),
-    forked from a zygote that has done a job's imports (tests/zygote.py) unless ``fresh``."""
-    argv, env = ["-m", "kdsweep", *args], {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
-    proc = None if fresh else zygote.run(argv, cwd, env, timeout)
-    if proc is None:
-        proc = subprocess.run([sys.executable, *argv], cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                              env=env)
+    """Run ``python -m kdsweep ARGS`` as a user would, in ``cwd`` (``env_extra``: more environment variables)."""
+    proc = python_m(["kdsweep", *args], cwd=cwd, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})},
+                    timeout=timeout, fresh=fresh)
     if check and proc.returncode != 0:
         raise AssertionError(f"kdsweep {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def python_m(args: list[str], *, cwd: Path, env: dict[str, str], timeout: float = 600,
+             fresh: bool = False) -> subprocess.CompletedProcess:
+    """``subprocess.run([python, "-m", *args], capture_output=True, text=True)``, forked from a zygote that has
+    done a job's imports (tests/zygote.py) unless ``fresh``: a test about how the process starts."""
+    argv = ["-m", *args]
+    proc = None if fresh else zygote.run(argv, cwd, env, timeout)
+    if proc is None:
+        proc = subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True,
+                              timeout=timeout)
     return proc
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import QUIET, kdsweep, read_metrics, read_run
+from conftest import QUIET, kdsweep, python_m, read_metrics, read_run
 from helpers import WORDS, save_arch, word_lines, word_tokenizer
 from test_resume import _wait_for_step
 
@@ -87,8 +87,7 @@ def offline(models: Path) -> dict[str, str]:
 
 
 def run_kdsweep(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kdsweep", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return python_m(["kdsweep", *args], cwd=cwd, env=env, timeout=timeout)
 
 
 JOB = ["data=text", "data.seq_len=32", "data.eval_fraction=0.1", "data.batch_size=4", "data.micro_batch_size=2", "train.max_steps=4",
