@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kdsweep.distributed.launch import RANK_IMPORTS
+
 WORDS = "the cat sat on a mat while dogs ran over hills and birds sang in tall green trees".split()
 
 
@@ -112,9 +114,8 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-# What a gloo rank imports, once per test worker: its forkserver imports it, and each rank is forked from there.
-GLOO_PRELOAD = ["torch.distributed", "kdsweep.train.loop", "kdsweep.models.load", "transformers.modeling_utils",
-                "peft", "helpers"]
+# What a gloo rank imports, once per test worker: a job's rank's imports and these helpers (its bodies' module).
+GLOO_PRELOAD = [*RANK_IMPORTS, "helpers"]
 
 
 def gloo_ranks(body, *args, tmp_path: Path, nprocs: int = 2, timeout_s: float = 120) -> None:

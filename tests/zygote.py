@@ -36,11 +36,18 @@ import threading
 import time
 from pathlib import Path
 
-# What a job imports before it does anything of its own (python -X importtime -m kdsweep train.max_steps=2).
-PRELOAD = ["kdsweep.cli", "kdsweep.app", "kdsweep.train.loop", "kdsweep.models.load", "kdsweep.models.targets",
-           "transformers.modeling_utils", "transformers.models.llama.modeling_llama", "peft", "hydra"]
 VOLATILE = {"PYTEST_CURRENT_TEST"}  # set by pytest for each test; read by nothing at import
 ENABLED = os.environ.get("KDSWEEP_TEST_ZYGOTE", "1") != "0"
+
+
+def preload() -> list[str]:
+    """What a job imports before it does anything of its own (``python -X importtime -m kdsweep``): what its ranks
+    import (their forkserver's preload), and the command line's, the LoRA preflight's and the zoo's model. Read
+    here, not at this module's import: the server imports this module before it captures what imports print."""
+    from kdsweep.distributed.launch import RANK_IMPORTS
+
+    return ["kdsweep.cli", *RANK_IMPORTS, "kdsweep.models.targets", "transformers.models.llama.modeling_llama",
+            "hydra"]
 
 
 def _key(env: dict[str, str]) -> tuple:
@@ -50,7 +57,7 @@ def _key(env: dict[str, str]) -> tuple:
 class Zygote:
     """One preloaded server, for one environment."""
 
-    def __init__(self, env: dict[str, str], preload: list[str] = PRELOAD) -> None:
+    def __init__(self, env: dict[str, str], preload: list[str]) -> None:
         self.dir = tempfile.mkdtemp(prefix="kdsweep-zygote-")
         self.path = os.path.join(self.dir, "sock")
         self.log = open(os.path.join(self.dir, "server.log"), "w+b")  # noqa: SIM115 - closed in close()
@@ -75,9 +82,9 @@ class Zygote:
 
     def run(self, argv: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
         """``subprocess.run([python, *argv], cwd=, env=, capture_output=True, text=True, timeout=)``, forked."""
+        conn = self._connect()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
-        conn = self._connect()
         try:
             with open(os.devnull, "rb") as null:
                 socket.send_fds(conn, [json.dumps({"argv": argv, "cwd": str(cwd), "env": env}).encode() + b"\n"],
@@ -157,7 +164,7 @@ def run(argv: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subp
                 return None
             while len(_zygotes) >= 3:  # the oldest environment's goes
                 _zygotes.pop(next(iter(_zygotes))).close()
-            _zygotes[key] = Zygote({k: v for k, v in env.items() if k not in VOLATILE}, PRELOAD)
+            _zygotes[key] = Zygote(dict(key), preload())
         zygote = _zygotes[key]
     return zygote.run(argv, cwd, env, timeout)
 

@@ -72,7 +72,7 @@ def test_a_job_past_its_timeout_is_killed(server, tmp_path):
 def test_an_environment_asked_for_once_runs_fresh_and_twice_gets_a_zygote(monkeypatch, tmp_path):
     monkeypatch.setattr(zygote, "_asked", {})
     monkeypatch.setattr(zygote, "_zygotes", {})
-    monkeypatch.setattr(zygote, "PRELOAD", [])
+    monkeypatch.setattr(zygote, "preload", list)  # nothing to import
     (tmp_path / "probe.py").write_text("print('ran')")
     env = {**os.environ, "PYTEST_CURRENT_TEST": "one"}
     try:
