@@ -22,6 +22,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from kdsweep.config import ConfigError, RunConfig, to_run_config
 from kdsweep.config.convert import check_key
 from kdsweep.config.schema import JobError, RanksFailed
+from kdsweep.startup import import_frozen
 
 log = logging.getLogger("kdsweep")
 
@@ -135,6 +136,8 @@ def run_rank(run_cfg: RunConfig, raw: dict[str, Any], overrides: list[str]) -> d
     """One rank of a job (all of it, for one rank): join the process group, train, return rank 0's summary."""
     import dataclasses
 
+    import_frozen()  # a rank forked from its forkserver: what the server imported, frozen here
+
     from kdsweep.distributed import failure
     from kdsweep.distributed.rendezvous import check_shared
     from kdsweep.distributed.signals import PreemptionWatch
@@ -203,6 +206,7 @@ def _remove_if_empty(path: str | None) -> None:
 
 def _launch(run_cfg: RunConfig, raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Run the job here (one rank, or this process's rank under torchrun/SLURM) or spawn its local ranks."""
+    import_frozen()  # what a job imports, before anything imports it with the garbage collector running
     from kdsweep.distributed import detect, device_for
     from kdsweep.distributed.launch import check_local_launch, check_master_resolves, spawn
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Iterator, TextIO
 
 from kdsweep.metrics.records import read_run
+from kdsweep.startup import import_frozen
 from kdsweep.sweep.workers import read_json, worker_dir
 
 log = logging.getLogger("kdsweep.worker")
@@ -233,6 +234,7 @@ class Worker:
 
 def serve(sweep_dir: str, name: str) -> None:
     """One rank of the worker: join the process group once, then run trials until told to stop."""
+    import_frozen()  # a rank forked from its forkserver: what the server imported, frozen here
     from kdsweep import app
     from kdsweep.data.cache import kdsweep_cache
     from kdsweep.distributed import detect, device_for, process_group
@@ -245,7 +247,6 @@ def serve(sweep_dir: str, name: str) -> None:
     with process_group(env, device, timeout_s=spec.get("timeout_s", 600)):
         release_port(env, kdsweep_cache())
         app.SESSION = WorkerSession(env, device)
-        import kdsweep.train  # noqa: F401  the imports a trial needs, paid once (a cold start)
         Worker(Path(sweep_dir), name, env, spec).serve()
 
 
@@ -265,6 +266,7 @@ def main() -> None:
 
 
 def _main() -> None:
+    import_frozen()  # what its trials import, paid once (a cold start)
     from kdsweep.config.schema import DistConfig
     from kdsweep.distributed import detect
     from kdsweep.distributed.launch import spawn

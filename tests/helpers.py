@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kdsweep.distributed.launch import RANK_IMPORTS
+from kdsweep.startup import RANK_IMPORTS
 
 WORDS = "the cat sat on a mat while dogs ran over hills and birds sang in tall green trees".split()
 

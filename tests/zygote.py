@@ -44,7 +44,7 @@ def preload() -> list[str]:
     """What a job imports before it does anything of its own (``python -X importtime -m kdsweep``): what its ranks
     import (their forkserver's preload), and the command line's, the LoRA preflight's and the zoo's model. Read
     here, not at this module's import: the server imports this module before it captures what imports print."""
-    from kdsweep.distributed.launch import RANK_IMPORTS
+    from kdsweep.startup import RANK_IMPORTS
 
     return ["kdsweep.cli", *RANK_IMPORTS, "kdsweep.models.targets", "transformers.models.llama.modeling_llama",
             "hydra"]
@@ -183,7 +183,7 @@ SERVE = ("import importlib.util, sys; spec = importlib.util.spec_from_file_locat
 
 
 def _serve(path: str, preload: list[str]) -> None:
-    import importlib
+    from kdsweep.startup import import_frozen
 
     said = []
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
@@ -191,8 +191,7 @@ def _serve(path: str, preload: list[str]) -> None:
         os.dup2(out.fileno(), 1)
         os.dup2(err.fileno(), 2)
         try:
-            for name in preload:
-                importlib.import_module(name)
+            import_frozen(preload)  # as a job's process imports them; its jobs inherit the freeze
         finally:
             sys.stdout.flush()
             sys.stderr.flush()

@@ -16,6 +16,7 @@ import torch
 
 from kdsweep.config.schema import ConfigError, DistConfig, RanksFailed
 from kdsweep.distributed.env import LOCAL_RANKS, RANKS_PER_NODE
+from kdsweep.startup import RANK_IMPORTS
 
 
 def available_devices(device: torch.device) -> tuple[int, str]:
@@ -60,10 +61,6 @@ def _free_port(addr: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((addr, 0))
         return s.getsockname()[1]
-
-
-# What a rank imports: the forkserver imports it once, and each rank is forked from it with it already imported.
-RANK_IMPORTS = ["kdsweep.app", "kdsweep.train.loop", "kdsweep.models.load", "transformers.modeling_utils", "peft"]
 
 
 @contextlib.contextmanager

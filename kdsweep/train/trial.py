@@ -26,6 +26,7 @@ from kdsweep.metrics.sinks import MetricLogger, open_sinks
 from kdsweep.models.load import load_student
 from kdsweep.models.precision import Precision
 from kdsweep.rollout import open_rollout
+from kdsweep.startup import freeze_once
 from kdsweep.train import schedule
 from kdsweep.train.baseline import baseline, baseline_path
 from kdsweep.train.sources import Sources
@@ -122,18 +123,12 @@ def reset_peak_memory(device: torch.device) -> None:
 
 
 def collect_garbage() -> None:
-    """Collect what earlier trials left. The first call in a process also freezes what is alive then (the imported
-    modules of torch, transformers and the rest: about 400k objects) out of every later collection
-    (``gc.freeze``): a full collection scanned them all, 0.19 s on this machine's CPU, twice per trial (a pack:
+    """Collect what earlier trials left. The first collection in a process that did not import through
+    ``startup.import_frozen`` also freezes what is alive then (the imported modules: about 400k objects) out of every
+    later collection: a full collection scanned them all, 0.19 s on this machine's CPU, twice per trial (a pack:
     twice per member). What a trial builds is made after that, and collected as before."""
     gc.collect()
-    if not _FROZEN:  # a flag: gc.get_freeze_count() walks the frozen objects (35 ms)
-        gc.freeze()
-        _FROZEN.append(True)
-
-
-_FROZEN: list[bool] = []
-"""Whether :func:`collect_garbage` froze this process's objects."""
+    freeze_once()
 
 
 def trim_heap() -> None:

@@ -24,6 +24,7 @@ def imported_after(statement: str) -> set[str]:
         ("kdsweep.sweep.cost", {"torch", "optuna"}),
         ("kdsweep.data.check", {"torch", "hydra", "omegaconf", "datasets", "pyarrow"}),
         ("kdsweep.app", {"torch", "transformers", "peft"}),
+        ("kdsweep.startup", {"torch", "transformers", "peft", "hydra", "kdsweep.config"}),  # imported before them
         ("kdsweep.train", {"hydra", "omegaconf", "submitit", "optuna"}),
         ("kdsweep.distributed.launch", {"hydra", "omegaconf", "submitit", "optuna"}),
         ("kdsweep.distributed.signals", {"hydra", "omegaconf", "submitit", "optuna"}),
