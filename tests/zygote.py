@@ -7,9 +7,9 @@ then forks each job (the way a local job's ranks are forked from their preloaded
 that has run OpenMP kernels). What a job does from then on is what ``python -m kdsweep ARGS`` does in a fresh
 process, and :func:`run` checks what could tell the two apart:
 
-- **the environment**: a zygote serves only jobs whose environment is the one it imported in (the test's
-  ``PYTEST_CURRENT_TEST`` aside, which nothing reads at import); the first job in another environment starts a
-  fresh process, and a second one that environment's own zygote (a test worker keeps three);
+- **the environment**: a zygote serves only jobs whose environment is the one it imported in (``VOLATILE``
+  aside: the test's name and its injected failures, which nothing reads at import); the first job in another
+  environment starts a fresh process, and a second one that environment's own zygote (a test worker keeps three);
 - **what the imports print**: whatever the zygote's imports wrote to stdout and stderr (a library's warning) is
   written again at the start of each job's own stdout and stderr, as a fresh process would print it;
 - **the process**: the job has its own pid, directory, ``sys.argv``, ``sys.path[0]`` (the directory, as for
@@ -36,7 +36,9 @@ import threading
 import time
 from pathlib import Path
 
-VOLATILE = {"PYTEST_CURRENT_TEST"}  # set by pytest for each test; read by nothing at import
+# Set per test or per job, and read by nothing at import: pytest's own, and the failures tests inject into a
+# controller or a rank (sweep.controller.CRASH_AT, distributed.failure.RAISE_AT, read when they would fire).
+VOLATILE = {"PYTEST_CURRENT_TEST", "KDSWEEP_TEST_CRASH_AT", "KDSWEEP_TEST_RAISE_AT"}
 ENABLED = os.environ.get("KDSWEEP_TEST_ZYGOTE", "1") != "0"
 
 

@@ -73,12 +73,15 @@ def test_an_environment_asked_for_once_runs_fresh_and_twice_gets_a_zygote(monkey
     monkeypatch.setattr(zygote, "_asked", {})
     monkeypatch.setattr(zygote, "_zygotes", {})
     monkeypatch.setattr(zygote, "preload", list)  # nothing to import
-    (tmp_path / "probe.py").write_text("print('ran')")
+    (tmp_path / "probe.py").write_text("import os; print('ran', os.environ.get('KDSWEEP_TEST_CRASH_AT'))")
     env = {**os.environ, "PYTEST_CURRENT_TEST": "one"}
     try:
         assert zygote.run(["-m", "probe"], tmp_path, env, 60) is None
         second = zygote.run(["-m", "probe"], tmp_path, {**env, "PYTEST_CURRENT_TEST": "two"}, 60)  # the same one
-        assert second.stdout == "ran\n" and len(zygote._zygotes) == 1
+        assert second.stdout == "ran None\n" and len(zygote._zygotes) == 1
+        crash = {**env, "KDSWEEP_TEST_CRASH_AT": "after_launch:2"}  # volatile too: the same one, with it set
+        assert zygote.run(["-m", "probe"], tmp_path, crash, 60).stdout == "ran after_launch:2\n"
+        assert len(zygote._zygotes) == 1
         assert zygote.run(["-m", "probe"], tmp_path, {**env, "ZYGOTE_PROBE": "other"}, 60) is None
     finally:
         zygote.close_all()
