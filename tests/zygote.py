@@ -185,14 +185,14 @@ SERVE = ("import importlib.util, sys; spec = importlib.util.spec_from_file_locat
 
 
 def _serve(path: str, preload: list[str]) -> None:
-    from kdsweep.startup import import_frozen
-
     said = []
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         saved = os.dup(1), os.dup(2)
         os.dup2(out.fileno(), 1)
         os.dup2(err.fileno(), 2)
         try:
+            from kdsweep.startup import import_frozen  # inside the capture, as everything the zygote imports
+
             import_frozen(preload)  # as a job's process imports them; its jobs inherit the freeze
         finally:
             sys.stdout.flush()
